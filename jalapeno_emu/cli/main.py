@@ -1,0 +1,56 @@
+"""``jalapeno-emu``: the root command. Registers each command module and owns error handling.
+
+User errors (any ``EmuError``, a bad option) print one line and exit 2; only bugs print a
+traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jalapeno_emu import __version__
+from jalapeno_emu.cli import demo
+from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.errors import EmuError
+
+COMMANDS = (demo,)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit 2 with usage; keep one line
+        raise Abort(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree: one subparser per command module (each has ``register``)."""
+    parser = _Parser(prog="jalapeno-emu", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"jalapeno-emu {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    parser = build_parser()
+    app = App()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        app.json_output = bool(getattr(args, "json", False))
+        return int(args.run(app, args) or 0)
+    except (Abort, EmuError) as exc:
+        app.err_console.print(f"[bold red]error:[/bold red] {exc}", markup=True, soft_wrap=True)
+        return exc.code if isinstance(exc, Abort) else 2
+    except KeyboardInterrupt:
+        app.err_console.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

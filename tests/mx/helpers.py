@@ -8,10 +8,10 @@ comparison can say *which* adversarial case broke.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy as np
-import pytest
 
 from tests.mx import oracle
 
@@ -133,7 +133,10 @@ def make_mx(codes, scales, fmt: str, axis: int, block_size: int = 32):
 
 @functools.cache
 def finite_codes(fmt: str) -> np.ndarray:
-    """All finite element codes of ``fmt`` (int8 excludes 0x80 = -128, which quantize never makes)."""
+    """All finite element codes of ``fmt``.
+
+    int8 leaves out 0x80 (-128), which quantize never produces.
+    """
     f = oracle.FORMATS[fmt]
     if f.is_int:
         return np.array([c for c in range(256) if c != 0x80], dtype=np.uint8)
@@ -163,7 +166,7 @@ def grid_magnitudes(fmt: str) -> list[float]:
 
 
 def _pack(values: list[float], anchor: float | None, bs: int, label: str, rows, labels) -> None:
-    """Append ``values`` as rows of ``bs``; each row starts with ``anchor`` (fixes the block amax)."""
+    """Append ``values`` as rows of ``bs``; each row starts with ``anchor`` (the block amax)."""
     per = bs - (anchor is not None)
     for i in range(0, len(values), per):
         chunk = values[i : i + per]
@@ -206,10 +209,11 @@ def adversarial_blocks(fmt: str, bs: int = 32) -> tuple[np.ndarray, tuple[str, .
     # exponent k in all four modes, so the ties below 2^emax stay ties; anchor
     # max_normal*2^k covers the top binade (k in floor/even/rceil, k+1 in ceil).
     grid = grid_magnitudes(fmt)
-    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:], strict=False)]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(grid)]
     ks = (-140, -127, -126, -60, -1, 0, 1, 57, 120) if len(grid) < 64 else (-133, -126, 0, 1, 90)
     for k in ks:
-        for anchor, lim, name in ((2.0 ** (f.emax + k), 2.0**f.emax, "low"), (mn * 2.0**k, mn, "top")):
+        families = ((2.0 ** (f.emax + k), 2.0**f.emax, "low"), (mn * 2.0**k, mn, "top"))
+        for anchor, lim, name in families:
             if not _representable(anchor):
                 continue
             vals = []
@@ -238,7 +242,7 @@ def adversarial_blocks(fmt: str, bs: int = 32) -> tuple[np.ndarray, tuple[str, .
             return
         rest = [f32(v) for v in rng.uniform(-1, 1, bs - 1) * abs(a)]
         rest = [v if abs(v) <= abs(a) else 0.0 for v in rest]
-        rows.append([a if rng.random() < 0.5 else -a] + rest)
+        rows.append([a if rng.random() < 0.5 else -a, *rest])
         labels.append(label)
 
     # "even" boundary: significand rounding to round_mbits bits hits 2.0.
@@ -268,7 +272,8 @@ def adversarial_blocks(fmt: str, bs: int = 32) -> tuple[np.ndarray, tuple[str, .
     # float32 subnormals.
     sub = 2.0**-149
     _pack([sub, -sub] * (bs // 2), None, bs, "all +-2^-149", rows, labels)
-    _pack([2.0**-130, sub, -sub, 3 * sub, -(2.0**-130)], None, bs, "2^-130 and 2^-149", rows, labels)
+    _pack([2.0**-130, sub, -sub, 3 * sub, -(2.0**-130)], None, bs, "2^-130 and 2^-149",
+          rows, labels)
     _pack([1.0, sub, -sub, 2.0**-130, -(2.0**-127), 2.0**-126], None, bs, "normals + subnormals",
           rows, labels)
     _pack([float(v) * sub for v in rng.integers(-(1 << 23), 1 << 23, bs)], None, bs,
@@ -277,9 +282,9 @@ def adversarial_blocks(fmt: str, bs: int = 32) -> tuple[np.ndarray, tuple[str, .
     # Non-finite: only these blocks must become scale 0xFF.
     base = [f32(v) for v in rng.standard_normal(bs - 1)]
     for bad, name in ((math.nan, "NaN"), (math.inf, "+inf"), (-math.inf, "-inf")):
-        rows.append([bad] + base)
+        rows.append([bad, *base])
         labels.append(f"{name} block")
-    rows.append(base[: bs // 2] + [math.inf, math.nan] + base[bs // 2 + 2 :] + [-1.0])
+    rows.append([*base[:bs // 2], math.inf, math.nan, *base[bs // 2 + 2:], -1.0])
     labels.append("inf+NaN block")
 
     x = np.array(rows, dtype=np.float64).astype(np.float32)

@@ -25,10 +25,10 @@ from fractions import Fraction
 import numpy as np
 
 __all__ = [
-    "FORMATS",
     "FMT_NAMES",
-    "SCALE_MODES",
+    "FORMATS",
     "ROUNDINGS",
+    "SCALE_MODES",
     "Fmt",
     "decode",
     "dequantize",
@@ -378,7 +378,7 @@ def quantize(x, fmt, axis: int = -1, block_size: int = 32, scale_mode: str = "fl
             scales[r, j] = sb
             codes[r, j] = cs
     codes = np.moveaxis(codes.reshape(moved_shape), -1, axis)
-    scale_shape = moved_shape[:-1] + (moved_shape[-1] // block_size,)
+    scale_shape = (*moved_shape[:-1], moved_shape[-1] // block_size)
     scales = np.moveaxis(scales.reshape(scale_shape), -1, axis)
     return np.ascontiguousarray(codes), np.ascontiguousarray(scales)
 

@@ -4,6 +4,7 @@ hand-derived values.  If these fail, the oracle is wrong, not the library."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 
@@ -187,7 +188,7 @@ def test_element_rounding_matches_ml_dtypes(fmt):
     ]).astype(np.float32)
     # every grid point, midpoint and one float32 ulp either side
     grid = sorted({abs(float(oracle.decode(int(c), fmt))) for c in finite_codes(fmt)})
-    mids = np.array([(a + b) / 2 for a, b in zip(grid, grid[1:], strict=False)], np.float32)
+    mids = np.array([(a + b) / 2 for a, b in itertools.pairwise(grid)], np.float32)
     extra = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf)])
     vals = np.concatenate([vals, extra, -extra]).astype(np.float32)
     vals = vals[np.abs(vals) <= mn]
@@ -195,7 +196,7 @@ def test_element_rounding_matches_ml_dtypes(fmt):
     # Anchor mn keeps the floor-mode shared exponent at 0 (scale byte 127).
     for i in range(0, len(vals), 31):
         chunk = vals[i : i + 31].tolist()
-        sb, codes = oracle.quantize_block([mn] + chunk, fmt, "floor", "rne")
+        sb, codes = oracle.quantize_block([mn, *chunk], fmt, "floor", "rne")
         assert sb == 127
         assert codes[1:] == ref[i : i + 31].tolist(), chunk
 
@@ -310,15 +311,15 @@ def test_dequantize_is_close_and_bounded(fmt):
 
 def test_dequantize_specials():
     # -0 code -> -0.0, scale 0xFF -> NaN, e5m2 inf code -> inf, overflow -> inf.
-    d = oracle.dequantize(np.array([[0x80, 0x7C, 0xFC, 0x7B]], np.uint8), np.array([[127]], np.uint8),
-                          "e5m2", block_size=4)
+    def deq(codes, scale, fmt):
+        c = np.array([codes], np.uint8)
+        return oracle.dequantize(c, np.array([[scale]], np.uint8), fmt, block_size=c.shape[1])
+
+    d = deq([0x80, 0x7C, 0xFC, 0x7B], 127, "e5m2")
     assert f32_bits(d).tolist() == [[0x80000000, 0x7F800000, 0xFF800000, 0x47600000]]
-    d = oracle.dequantize(np.array([[7, 1]], np.uint8), np.array([[254]], np.uint8), "e2m1", block_size=2)
-    assert d.tolist() == [[math.inf, 2.0**126]]
-    d = oracle.dequantize(np.array([[1, 1]], np.uint8), np.array([[0xFF]], np.uint8), "e2m1", block_size=2)
-    assert np.isnan(d).all()
-    d = oracle.dequantize(np.array([[1, 0xFF]], np.uint8), np.array([[0]], np.uint8), "int8", block_size=2)
-    assert d.tolist() == [[2.0**-133, -(2.0**-133)]]
+    assert deq([7, 1], 254, "e2m1").tolist() == [[math.inf, 2.0**126]]
+    assert np.isnan(deq([1, 1], 0xFF, "e2m1")).all()
+    assert deq([1, 0xFF], 0, "int8").tolist() == [[2.0**-133, -(2.0**-133)]]
 
 
 def test_matmul_hand_case():

@@ -7,7 +7,7 @@ CLI) can catch one type. The argument-checking errors also derive from the match
 
 from __future__ import annotations
 
-__all__ = ["EmuError", "InvalidArgumentError", "InvalidTypeError", "ConfigError"]
+__all__ = ["ConfigError", "EmuError", "InvalidArgumentError", "InvalidTypeError"]
 
 
 class EmuError(Exception):

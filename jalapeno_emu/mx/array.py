@@ -87,7 +87,7 @@ class MXArray:
                 f"{argname}.block_size={self.block_size} does not divide axis {ax} "
                 f"of length {codes_shape[ax]}"
             )
-        want = codes_shape[:ax] + (codes_shape[ax] // self.block_size,) + codes_shape[ax + 1 :]
+        want = (*codes_shape[:ax], codes_shape[ax] // self.block_size, *codes_shape[ax + 1 :])
         if scales_shape != want:
             raise InvalidArgumentError(
                 f"{argname}.scales has shape {scales_shape}; codes {codes_shape} blocked by "

@@ -19,10 +19,10 @@ import numpy as np
 from jalapeno_emu.errors import InvalidArgumentError
 
 __all__ = [
-    "ElementFormat",
     "FORMATS",
     "SCALE_BIAS",
     "SCALE_NAN",
+    "ElementFormat",
     "element_format",
 ]
 

@@ -51,7 +51,7 @@ from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.formats import SCALE_BIAS, SCALE_NAN, ElementFormat, element_format
 from jalapeno_emu.mx.quantize import element_values
 
-__all__ = ["matmul", "block_sum_is_exact_in_f32"]
+__all__ = ["block_sum_is_exact_in_f32", "matmul"]
 
 _F32_EXACT_INT_BITS = 24  # float32 holds every integer up to 2^24 exactly
 
@@ -98,7 +98,9 @@ def matmul(a: MXArray, b: MXArray) -> jax.Array:
     _check_operand(a, "a", 1)
     _check_operand(b, "b", 0)
     if a.shape[1] != b.shape[0]:
-        raise InvalidArgumentError(f"a is {a.shape} and b is {b.shape}: K differs ({a.shape[1]} vs {b.shape[0]})")
+        raise InvalidArgumentError(
+            f"a is {a.shape} and b is {b.shape}: K differs ({a.shape[1]} vs {b.shape[0]})"
+        )
     if a.block_size != b.block_size:
         raise InvalidArgumentError(
             f"a.block_size={a.block_size} and b.block_size={b.block_size} differ; block pairs need one size"

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jalapeno_emu.errors import InvalidArgumentError, InvalidTypeError
 from jalapeno_emu.mx.array import MXArray
 
-__all__ = ["pack_fp4", "unpack_fp4", "from_gpt_oss"]
+__all__ = ["from_gpt_oss", "pack_fp4", "unpack_fp4"]
 
 
 def _uint8(a: jax.Array, argname: str) -> jax.Array:

@@ -29,7 +29,7 @@ from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.formats import SCALE_BIAS, SCALE_NAN, ElementFormat, element_format
 from jalapeno_emu.mx.scale import SCALE_MODES, shared_exponent
 
-__all__ = ["ROUNDINGS", "quantize", "dequantize", "element_values"]
+__all__ = ["ROUNDINGS", "dequantize", "element_values", "quantize"]
 
 ROUNDINGS = ("rne", "rna", "stochastic")
 _FLOAT_INPUTS = (np.float16, np.float32, np.float64)

@@ -101,6 +101,12 @@ def _histogram(dist: np.ndarray) -> dict[str, int]:
     return hist
 
 
+def _snr_db(signal_energy: float, noise_energy: float) -> float:
+    if noise_energy == 0:
+        return float("inf")
+    return float(10 * np.log10(signal_energy / noise_energy)) if signal_energy else float("-inf")
+
+
 def error_stats(approx, reference, *, ulp_format: str = "float32") -> ErrorStats:
     """Error statistics of ``approx`` against ``reference`` (both any real float arrays).
 
@@ -131,8 +137,9 @@ def error_stats(approx, reference, *, ulp_format: str = "float32") -> ErrorStats
         max_abs_error=float(abs_err.max()) if abs_err.size else 0.0,
         max_rel_error=float((abs_err[nz] / np.abs(r_f[nz])).max()) if nz.any() else 0.0,
         rmse=float(np.sqrt(np.mean(err * err))) if err.size else 0.0,
-        snr_db=float("inf") if noise == 0 else (10 * np.log10(sig / noise) if sig else float("-inf")),
-        cosine_similarity=float(np.dot(a_f, r_f) / norm) if norm else 1.0,
+        snr_db=_snr_db(sig, noise),
+        # Clipped: rounding in the norms can push an exact match a hair past 1.
+        cosine_similarity=float(np.clip(np.dot(a_f, r_f) / norm, -1, 1)) if norm else 1.0,
         ulp_format=ulp_format,
         ulp_histogram=_histogram(ulp_distance(approx, reference, ulp_format)),
     )

@@ -184,7 +184,12 @@ def test_dequantized_within_block_range(fmt, mode):
     assert np.isnan(d[nan_blk]).all()
     assert not np.isnan(d[~nan_blk]).any()
     lim = float(oracle.FORMATS[fmt].max_normal) * np.ldexp(1.0, scales[~nan_blk] - 127)
-    assert (np.abs(d[~nan_blk]) <= lim[:, None]).all()
+    # In float32 the bound itself may overflow: ceil / even / rceil can pick
+    # 2^s with max_normal * 2^s >= 2^128 for amax near FP32 max, and those
+    # elements legitimately dequantize to +-inf.
+    with np.errstate(over="ignore"):
+        lim32 = lim.astype(np.float32).astype(np.float64)
+    assert (np.abs(d[~nan_blk]) <= lim32[:, None]).all()
 
 
 def test_pack_unpack_fp4():

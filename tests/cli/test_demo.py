@@ -1,0 +1,52 @@
+"""The CLI in-process: demo output, JSON schema, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jalapeno_emu.cli.main import main
+
+
+def test_demo_json_has_every_scale_mode_and_sane_numbers(capsys):
+    assert main(["demo", "--rows", "64", "--cols", "48", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1 and doc["command"] == "demo"
+    assert [r["scale_mode"] for r in doc["results"]] == ["floor", "ceil", "even", "rceil"]
+    for r in doc["results"]:
+        # 64*48 codes at 4 bits + 2*48 scale bytes
+        assert r["packed_bytes"] == 64 * 48 // 2 + 2 * 48
+        assert 8 < r["snr_db"] < 30 and 0.9 < r["cosine_similarity"] <= 1
+        assert r["quantize_s"] > 0 and r["dequantize_s"] > 0
+    ceil = next(r for r in doc["results"] if r["scale_mode"] == "ceil")
+    assert ceil["saturated_fraction"] == 0  # ceil leaves headroom: nothing clips
+
+
+def test_demo_table_names_the_scale_rules(capsys):
+    assert main(["demo", "--rows", "32", "--cols", "8"]) == 0
+    out = capsys.readouterr().out
+    for word in ("floor", "ceil", "even", "rceil", "SNR"):
+        assert word in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--fmt", "e9m9"], "--fmt='e9m9' is not an MX element format"),
+        (["demo", "--rows", "30"], "--rows must be a positive multiple of 32"),
+        (["demo", "--rows", "abc"], "invalid int value"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0
+
+
+def test_console_script_module_runs_as_a_process():
+    proc = subprocess.run([sys.executable, "-m", "jalapeno_emu.cli.main", "demo", "--fmt", "bad"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr

@@ -93,7 +93,7 @@ def quantize(
     Example:
         >>> q = quantize(jnp.array([[0.5, -3.0, 5.9, 100.0]]), "e2m1", block_size=4)
         >>> q.scales.tolist(), dequantize(q).tolist()
-        ([[131]], [[0.0, -0.0, 0.0, 96.0]])
+        ([[131]], [[0.0, -0.0, 8.0, 96.0]])
     """
     x = jnp.asarray(x)
     _check_float_input(x, "x")
@@ -189,7 +189,7 @@ def element_values(codes: jax.Array, fmt: str | ElementFormat) -> tuple[jax.Arra
     special = jnp.zeros_like(c)
     if f.name == "e5m2":
         special = jnp.where(mag == 0x7C, 1, jnp.where(mag > 0x7C, 2, 0))
-    elif mag.size and f.max_code_mag < (1 << f.sign_bit) - 1:
+    elif f.max_code_mag < (1 << f.sign_bit) - 1:
         special = jnp.where(mag > f.max_code_mag, 2, 0)
     return ((c >> f.sign_bit) & 1) == 1, units, exp, special
 
@@ -208,7 +208,9 @@ def dequantize(q: MXArray, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         codes (E4M3/E5M2); +-Inf for E5M2 Inf codes.
     """
     q.validate(argname="q")
-    return _dequantize_jit(q, np.dtype(dtype).name if dtype != jnp.bfloat16 else "bfloat16")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise InvalidTypeError(f"dtype={dtype!r} must be a floating-point dtype")
+    return _dequantize_jit(q, np.dtype(dtype).name)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

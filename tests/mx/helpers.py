@@ -296,3 +296,26 @@ def adversarial_blocks(fmt: str, bs: int = 32) -> tuple[np.ndarray, tuple[str, .
 def random_data(rng: np.random.Generator, shape, lo: int = -20, hi: int = 20) -> np.ndarray:
     """float32 normal data whose magnitude varies per element by 2^[lo, hi)."""
     return (rng.standard_normal(shape) * 2.0 ** rng.integers(lo, hi, shape)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# matmul operands
+# ---------------------------------------------------------------------------
+
+
+def negate_code(fmt: str, code: int) -> int:
+    """Code of the negated element (sign bit for floats, two's complement for int8)."""
+    f = oracle.FORMATS[fmt]
+    if f.is_int:
+        return (-code) & 0xFF
+    return code ^ f.sign_bit
+
+
+def random_mx_operands(rng, a_fmt, b_fmt, m, k, n, a_scale_range=(117, 137),
+                       b_scale_range=(117, 137), bs=32):
+    """Random finite codes and scale bytes: a [m, k] / [m, k/bs], b [k, n] / [k/bs, n]."""
+    a = random_codes(rng, a_fmt, (m, k))
+    b = random_codes(rng, b_fmt, (k, n))
+    sa = rng.integers(a_scale_range[0], a_scale_range[1] + 1, (m, k // bs)).astype(np.uint8)
+    sb = rng.integers(b_scale_range[0], b_scale_range[1] + 1, (k // bs, n)).astype(np.uint8)
+    return a, sa, b, sb

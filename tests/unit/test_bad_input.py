@@ -90,3 +90,8 @@ def test_error_stats_rejects_shape_mismatch_and_unknown_ulp_format():
         mx.error_stats(np.zeros(3), np.zeros(4))
     with pytest.raises(InvalidArgumentError, match="ulp_format"):
         mx.error_stats(np.zeros(3), np.zeros(3), ulp_format="float8")
+
+
+def test_dequantize_rejects_integer_dtype():
+    with pytest.raises(InvalidTypeError, match="dtype"):
+        mx.dequantize(mx.quantize(X), dtype=jnp.int32)

@@ -1,0 +1,294 @@
+"""``Program``: a kernel recorded once, as static instruction streams per engine queue.
+
+Stage: between the ISA (``isa/``) and the emulator's passes. The builder and the assembler both
+produce a Program; the checker, the functional pass and the timing pass all read the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jalapeno_emu.isa.table import DTYPES, DType, InstrSpec, Space, by_mnemonic
+
+from jalapeno_emu.errors import IllegalInstruction
+
+__all__ = [
+    "Allocation",
+    "Engine",
+    "HbmInit",
+    "Instruction",
+    "Program",
+    "Tile",
+    "parse_engine",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Engine:
+    """One in-order instruction queue.
+
+    Attributes:
+        core: core index (-1 for the chip-level link engine).
+        unit: "dma", "mxu", "vpu" or "link".
+        queue: DMA queue index (0 for other units).
+    """
+
+    core: int
+    unit: str
+    queue: int = 0
+
+    def __str__(self) -> str:
+        if self.unit == "link":
+            return "link"
+        return f"c{self.core}.{self.unit}{self.queue if self.unit == 'dma' else ''}"
+
+
+_ENGINE_RE = re.compile(r"^c(\d+)\.(?:(dma)(\d+)|(mxu)|(vpu))$")
+
+
+def parse_engine(text: str) -> Engine:
+    """Parse "c3.dma1", "c0.mxu", "c0.vpu" or "link" into an Engine.
+
+    Raises:
+        IllegalInstruction: the text is not an engine name.
+    """
+    if text == "link":
+        return Engine(-1, "link", 0)
+    m = _ENGINE_RE.match(text)
+    if not m:
+        raise IllegalInstruction(
+            f"{text!r} is not an engine; expected c<core>.dma<q>, c<core>.mxu, c<core>.vpu or link"
+        )
+    core = int(m.group(1))
+    if m.group(2):
+        return Engine(core, "dma", int(m.group(3)))
+    return Engine(core, m.group(4) or m.group(5), 0)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A 2-D strided view of memory.
+
+    Attributes:
+        space: HBM, SRAM or ACC.
+        core: owning core for SRAM/ACC (0 for HBM).
+        offset: byte address of element [0, 0] (HBM: chip-global; SRAM/ACC: within the core).
+        dtype: a name from ``isa.table.DTYPES``.
+        rows, cols: shape in elements.
+        stride: bytes from one row to the next (defaults to the packed row size).
+    """
+
+    space: Space
+    core: int
+    offset: int
+    dtype: str
+    rows: int
+    cols: int
+    stride: int = -1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise IllegalInstruction(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        if self.rows <= 0 or self.cols <= 0:
+            raise IllegalInstruction(f"tile shape [{self.rows},{self.cols}] must be positive")
+        if (self.cols * DTYPES[self.dtype].bits) % 8:
+            raise IllegalInstruction(f"a {self.dtype} row of {self.cols} elements is not whole bytes")
+        if self.stride < 0:
+            object.__setattr__(self, "stride", self.row_bytes)
+        if self.offset < 0:
+            raise IllegalInstruction(f"tile offset {self.offset} is negative")
+        if self.rows > 1 and self.stride < self.row_bytes:
+            raise IllegalInstruction(
+                f"row stride {self.stride} B is smaller than a row ({self.row_bytes} B): rows overlap"
+            )
+
+    @property
+    def dt(self) -> DType:
+        """The DType row."""
+        return DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols)."""
+        return (self.rows, self.cols)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes in one row."""
+        return DTYPES[self.dtype].row_bytes(self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data (rows x row_bytes; gaps between rows excluded)."""
+        return self.rows * self.row_bytes
+
+    @property
+    def end(self) -> int:
+        """One past the last byte touched."""
+        return self.offset + (self.rows - 1) * self.stride + self.row_bytes
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the rows are packed back to back."""
+        return self.rows == 1 or self.stride == self.row_bytes
+
+    def region(self) -> str:
+        """Readable address range, e.g. "sram[c0]:0x100..0x300"."""
+        where = "hbm" if self.space is Space.HBM else f"{self.space.value}[c{self.core}]"
+        return f"{where}:{self.offset:#x}..{self.end:#x}"
+
+    def sub(self, row: int, col: int, rows: int, cols: int) -> Tile:
+        """The [rows, cols] sub-tile starting at element [row, col] (same stride)."""
+        bits = DTYPES[self.dtype].bits
+        if row < 0 or col < 0 or row + rows > self.rows or col + cols > self.cols:
+            raise IllegalInstruction(
+                f"sub-tile [{row}:{row + rows}, {col}:{col + cols}] is outside [{self.rows},{self.cols}]"
+            )
+        if (col * bits) % 8:
+            raise IllegalInstruction(f"column {col} of a {self.dtype} tile is not byte aligned")
+        return Tile(self.space, self.core, self.offset + row * self.stride + col * bits // 8,
+                    self.dtype, rows, cols, self.stride)
+
+    def __str__(self) -> str:
+        where = "hbm" if self.space is Space.HBM else f"{self.space.value}[{self.core}]"
+        text = f"{where}:{self.offset:#x}:{self.dtype}[{self.rows},{self.cols}]"
+        return text if self.contiguous else f"{text}/{self.stride}"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One instruction, issued to one engine.
+
+    Attributes:
+        mnemonic: the table row's mnemonic.
+        engine: the queue it is issued to.
+        args: operand values by name (Tile, int, float, str for enums; None for absent tiles).
+        source: where it was built ("kernel.py:42") or assembled ("k.jasm:7"), or "".
+    """
+
+    mnemonic: str
+    engine: Engine
+    args: tuple[tuple[str, Any], ...]
+    source: str = ""
+
+    @property
+    def spec(self) -> InstrSpec:
+        """The instruction table row."""
+        row = by_mnemonic(self.mnemonic)
+        assert row is not None, self.mnemonic
+        return row
+
+    def arg(self, name: str) -> Any:
+        """The value of operand ``name``."""
+        for k, v in self.args:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Operands as a dict."""
+        return dict(self.args)
+
+    def tiles(self) -> list[tuple[str, Tile, bool]]:
+        """(operand name, tile, writes) for every tile operand present."""
+        out = []
+        for op in self.spec.operands:
+            if op.kind == "tile":
+                t = self.arg(op.name)
+                if t is not None:
+                    out.append((op.name, t, op.writes))
+        return out
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A named region of memory.
+
+    Attributes:
+        name: unique within its space and core.
+        space: HBM, SRAM or ACC.
+        core: owning core for SRAM/ACC (0 for HBM).
+        offset: first byte.
+        nbytes: size in bytes.
+    """
+
+    name: str
+    space: Space
+    core: int
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        """One past the last byte."""
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class HbmInit:
+    """Initial contents of an HBM allocation, for programs that bring their own data (assembly).
+
+    Attributes:
+        name: the allocation.
+        kind: "zeros", "ones" or "normal" (seeded standard normal, as float32/bf16 per dtype).
+        dtype: element type to fill with.
+        seed: seed for "normal".
+    """
+
+    name: str
+    kind: str
+    dtype: str = "f32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Program:
+    """A recorded kernel.
+
+    Attributes:
+        name: the kernel's name.
+        instructions: every instruction, in the order it was issued (each engine runs its own
+            subsequence in order).
+        allocations: named HBM, SRAM and accumulator regions.
+        preset: the chip preset the program was built for.
+        semaphores: names of semaphore ids (id -> name), for messages and traces.
+        inits: initial HBM contents (used by ``run`` on assembly files).
+    """
+
+    name: str
+    instructions: tuple[Instruction, ...]
+    allocations: tuple[Allocation, ...] = ()
+    preset: str = "tiny"
+    semaphores: tuple[tuple[int, str], ...] = ()
+    inits: tuple[HbmInit, ...] = ()
+    meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def engines(self) -> list[Engine]:
+        """Engines with at least one instruction, sorted."""
+        return sorted({i.engine for i in self.instructions})
+
+    def streams(self) -> dict[Engine, list[int]]:
+        """Instruction indices per engine, in issue order."""
+        out: dict[Engine, list[int]] = {}
+        for idx, ins in enumerate(self.instructions):
+            out.setdefault(ins.engine, []).append(idx)
+        return out
+
+    def allocation(self, name: str, space: Space | None = None, core: int | None = None) -> Allocation:
+        """The allocation called ``name`` (optionally in ``space`` / on ``core``)."""
+        for a in self.allocations:
+            if a.name == name and (space is None or a.space is space) and (core is None or a.core == core):
+                return a
+        raise KeyError(name)
+
+    def fingerprint(self) -> str:
+        """A stable hash of everything that affects execution (for compiled-function caches)."""
+        h = hashlib.sha256()
+        for ins in self.instructions:
+            h.update(repr((ins.mnemonic, ins.engine, ins.args)).encode())
+        h.update(repr((self.allocations, self.inits)).encode())
+        return h.hexdigest()[:16]

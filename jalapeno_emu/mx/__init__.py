@@ -10,6 +10,7 @@ from jalapeno_emu.mx.formats import ElementFormat as ElementFormat
 from jalapeno_emu.mx.formats import element_format as element_format
 from jalapeno_emu.mx.matmul import block_sum_is_exact_in_f32 as block_sum_is_exact_in_f32
 from jalapeno_emu.mx.matmul import matmul as matmul
+from jalapeno_emu.mx.matmul import matmul_accumulate as matmul_accumulate
 from jalapeno_emu.mx.pack import from_gpt_oss as from_gpt_oss
 from jalapeno_emu.mx.pack import pack_fp4 as pack_fp4
 from jalapeno_emu.mx.pack import unpack_fp4 as unpack_fp4
@@ -33,6 +34,7 @@ __all__ = [
     "error_stats",
     "from_gpt_oss",
     "matmul",
+    "matmul_accumulate",
     "pack_fp4",
     "quantize",
     "unpack_fp4",

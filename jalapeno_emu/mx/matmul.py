@@ -43,6 +43,7 @@ from jalapeno_emu.mx._intfloat import (
     F32_NAN_BITS,
     add_f32_bits,
     bits_to_f32,
+    f32_to_bits,
     floor_log2_int,
     int_times_pow2_to_f32_bits,
     round_to_grid,
@@ -54,6 +55,8 @@ from jalapeno_emu.mx.quantize import element_values
 __all__ = ["block_sum_is_exact_in_f32", "matmul"]
 
 _F32_EXACT_INT_BITS = 24  # float32 holds every integer up to 2^24 exactly
+_FAST_T_MIN = -100  # smallest block-unit exponent the float32 fast path accepts
+_FAST_ACC_MIN_BITS = (127 + _FAST_T_MIN) << 23  # bits of 2^-100
 
 
 def block_sum_is_exact_in_f32(fa: str, fb: str, block_size: int = 32) -> bool:
@@ -95,6 +98,31 @@ def matmul(a: MXArray, b: MXArray) -> jax.Array:
     Returns:
         float32[M, N]. Never materialises more than one block's worth of [M, N] partials.
     """
+    m, n = _check_pair(a, b)
+    return _matmul_jit(a, b, jnp.zeros((m, n), jnp.float32))
+
+
+def matmul_accumulate(acc: jax.Array, a: MXArray, b: MXArray) -> jax.Array:
+    """``matmul`` starting from ``acc`` instead of +0: the matrix unit's accumulate mode.
+
+    Issuing the K range in pieces, in increasing order, each piece accumulating onto the last,
+    gives exactly ``matmul`` over the whole K range.
+
+    Args:
+        acc: float32[M, N] accumulators (any values, subnormals and Inf/NaN included).
+        a, b: as for ``matmul``.
+
+    Returns:
+        float32[M, N].
+    """
+    m, n = _check_pair(a, b)
+    acc = jnp.asarray(acc)
+    if acc.shape != (m, n) or acc.dtype != jnp.float32:
+        raise InvalidArgumentError(f"acc must be float32{[m, n]}, got {acc.dtype}{list(acc.shape)}")
+    return _matmul_jit(a, b, acc)
+
+
+def _check_pair(a: MXArray, b: MXArray) -> tuple[int, int]:
     _check_operand(a, "a", 1)
     _check_operand(b, "b", 0)
     if a.shape[1] != b.shape[0]:
@@ -103,9 +131,10 @@ def matmul(a: MXArray, b: MXArray) -> jax.Array:
         )
     if a.block_size != b.block_size:
         raise InvalidArgumentError(
-            f"a.block_size={a.block_size} and b.block_size={b.block_size} differ; block pairs need one size"
+            f"a.block_size={a.block_size} and b.block_size={b.block_size} differ; "
+            "block pairs need one size"
         )
-    return _matmul_jit(a, b)
+    return a.shape[0], b.shape[1]
 
 
 def _element_units(codes: jax.Array, f: ElementFormat) -> tuple[jax.Array, ...]:
@@ -131,7 +160,7 @@ def _limbs(sign: jax.Array, units: jax.Array, shift: jax.Array, count: int, bits
 
 
 @jax.jit
-def _matmul_jit(a: MXArray, b: MXArray) -> jax.Array:
+def _matmul_jit(a: MXArray, b: MXArray, acc0: jax.Array) -> jax.Array:
     fa, fb = element_format(a.fmt), element_format(b.fmt)
     bs = a.block_size
     (m, k), n = a.shape, b.shape[1]
@@ -171,7 +200,7 @@ def _matmul_jit(a: MXArray, b: MXArray) -> jax.Array:
             nan = (sa_j[:, None] == SCALE_NAN) | (sb_j[None, :] == SCALE_NAN)
             return acc + jnp.where(nan, jnp.nan, term), None
 
-        acc, _ = lax.scan(body, jnp.zeros((m, n), jnp.float32), xs)
+        acc, _ = lax.scan(body, acc0, xs)
         return acc
 
     def slow(_):
@@ -191,17 +220,22 @@ def _matmul_jit(a: MXArray, b: MXArray) -> jax.Array:
             term = jnp.where(nan, F32_NAN_BITS, term)
             return add_f32_bits(acc_bits, term), None
 
-        acc, _ = lax.scan(body, jnp.zeros((m, n), jnp.int32), xs)
+        acc, _ = lax.scan(body, f32_to_bits(acc0), xs)
         return bits_to_f32(acc)
 
     if not exact:
         return slow(None)
-    # Fast path is exact when every term is 0 or a normal multiple of 2^t_min and 2^t fits.
+    # The fast path is exact when every value it forms is 0 or a normal float32: terms are integer
+    # multiples of 2^t_min, nonzero accumulators are >= 2^-100 and so multiples of 2^-123, hence
+    # every nonzero sum is at least 2^-123 and float32 hardware (even flushing subnormals) rounds it
+    # exactly as IEEE says. The scale factor 2^t must itself be a normal float32.
     sa_ok = jnp.where(sa == SCALE_NAN, SCALE_BIAS, sa)
     sb_ok = jnp.where(sb == SCALE_NAN, SCALE_BIAS, sb)
     t_min = jnp.min(sa_ok, initial=SCALE_BIAS) + jnp.min(sb_ok, initial=SCALE_BIAS) + unit
     t_max = jnp.max(sa_ok, initial=SCALE_BIAS) + jnp.max(sb_ok, initial=SCALE_BIAS) + unit
-    fast_ok = (t_min >= F32_EXP_MIN) & (t_max <= 127)
+    acc_mag = f32_to_bits(acc0) & 0x7FFFFFFF
+    acc_ok = jnp.all((acc_mag == 0) | (acc_mag >= _FAST_ACC_MIN_BITS))
+    fast_ok = (t_min >= _FAST_T_MIN) & (t_max <= 127) & acc_ok
     return lax.cond(fast_ok, fast, slow, None)
 
 

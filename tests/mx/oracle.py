@@ -290,7 +290,7 @@ def _encode(f: Fmt, neg: bool, m: int, e: int, rounding: str) -> int:
         fl = m.bit_length() - 1 + e
         qexp = max(fl, 1 - f.bias) - f.mbits  # grid step at |v|
         n = _round_int(m, e - qexp, rounding)
-    code = min(_float_mag_code(f, n, qexp), f.max_code_mag + (f.name == "e4m3"))  # saturate
+    code = min(_float_mag_code(f, n, qexp), f.max_code_mag)  # saturate
     # The sign is copied from x even when the magnitude rounds to zero.
     return code | (f.sign_bit if neg else 0)
 

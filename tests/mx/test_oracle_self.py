@@ -121,7 +121,7 @@ def test_round_fraction_matches_numpy_single_rounding():
         (1 + 3 * F(2) ** -24, 0x3F800002),  # tie -> even (up)
         (F(2**24 + 1, 2**24), 0x3F800000),
     ],
-    ids=lambda v: str(v) if isinstance(v, int) else None,
+    ids=lambda v: f"{v:#010x}" if isinstance(v, int) else None,
 )
 def test_round_fraction_hand_cases(q, expected_bits):
     assert bits(oracle.round_fraction_to_f32(q)) == expected_bits

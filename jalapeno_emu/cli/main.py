@@ -11,11 +11,11 @@ import sys
 from collections.abc import Sequence
 
 from jalapeno_emu import __version__
-from jalapeno_emu.cli import demo
+from jalapeno_emu.cli import chip, demo
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.errors import EmuError
 
-COMMANDS = (demo,)
+COMMANDS = (demo, chip)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,301 @@
+"""The kernel builder: write kernels in Python, get a static ``Program``.
+
+Stage: ISA (front end). Python loops unroll into the Program; every instruction remembers the
+user's source line; legality is checked at issue time, so an illegal instruction fails where it
+was written. Methods on engine handles are derived from the instruction table: ``dma.load`` is
+``core.dma[0].load(dst, src)``, ``vec.unary`` is ``core.vpu.unary("exp", dst, src)`` (or the
+short ``core.vpu.exp(dst, src)``), ``sem.signal`` is ``core.mxu.signal(sem)`` on any engine.
+
+Example:
+    >>> kb = KernelBuilder("copy", chip="tiny")
+    >>> x = kb.hbm("x", (8, 64), "f32")
+    >>> buf = kb.sram(0, "buf", (8, 64), "f32")
+    >>> done = kb.semaphore("loaded")
+    >>> c0 = kb.core(0)
+    >>> _ = c0.dma[0].load(buf, x); _ = c0.dma[0].signal(done)
+    >>> _ = c0.vpu.wait(done, 1); _ = c0.vpu.exp(buf, buf)
+    >>> len(kb.build().instructions)
+    4
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
+from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
+
+from .table import DTYPES, TABLE, InstrSpec, Space
+
+__all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Semaphore"]
+
+_HBM_ALIGN = 4096  # allocations start on a page so that tiles map to channels predictably
+_SRAM_ALIGN = 64
+_THIS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_source() -> str:
+    """"file:line" of the first frame outside the builder (the user's kernel code)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if os.path.dirname(path) != _THIS_DIR:
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+@dataclass(frozen=True)
+class Semaphore:
+    """A semaphore handle: its id and name."""
+
+    id: int
+    name: str
+
+    def __index__(self) -> int:
+        return self.id
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """An MX tensor in memory: element codes and their E8M0 scales, blocked by 32 along ``axis``.
+
+    Attributes:
+        codes: [R, C] tile of element codes (fp4 packed two per byte, fp8 one per byte).
+        scales: [R, C/32] (axis 1) or [R/32, C] (axis 0) tile of E8M0 bytes.
+        axis: the blocked axis.
+    """
+
+    codes: Tile
+    scales: Tile
+    axis: int
+
+    def sub(self, row: int, col: int, rows: int, cols: int) -> MXTensor:
+        """The [rows, cols] block-aligned sub-tensor at element [row, col], with its scales."""
+        if self.axis == 1:
+            if col % 32 or cols % 32:
+                raise IllegalInstruction(f"columns {col}..{col + cols} of an MX tensor blocked along "
+                                         "columns must be multiples of 32")
+            scales = self.scales.sub(row, col // 32, rows, cols // 32)
+        else:
+            if row % 32 or rows % 32:
+                raise IllegalInstruction(f"rows {row}..{row + rows} of an MX tensor blocked along "
+                                         "rows must be multiples of 32")
+            scales = self.scales.sub(row // 32, col, rows // 32, cols)
+        return MXTensor(self.codes.sub(row, col, rows, cols), scales, self.axis)
+
+
+_UNARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.unary")].operand("op").choices
+_BINARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.binary")].operand("op").choices
+
+
+class EngineHandle:
+    """Issues instructions to one engine queue; its methods come from the instruction table."""
+
+    def __init__(self, builder: KernelBuilder, engine: Engine) -> None:
+        self._kb = builder
+        self.engine = engine
+        self._rows = {s.mnemonic.split(".")[-1]: s for s in TABLE
+                      if s.unit in (engine.unit, "any")}
+
+    def __repr__(self) -> str:
+        return f"EngineHandle({self.engine})"
+
+    def issue(self, mnemonic: str, *args: Any, **kwargs: Any) -> Instruction:
+        """Issue ``mnemonic`` with operands given positionally (table order) or by name."""
+        row = next((s for s in TABLE if s.mnemonic == mnemonic), None)
+        if row is None:
+            raise IllegalInstruction(f"unknown instruction {mnemonic!r}", engine=str(self.engine),
+                                     source=_caller_source())
+        return self._kb._issue(self.engine, row, args, kwargs, _caller_source())
+
+    def __getattr__(self, name: str) -> Any:
+        rows = self.__dict__.get("_rows", {})
+        if name in rows:
+            row = rows[name]
+            return lambda *a, **k: self._kb._issue(self.engine, row, a, k, _caller_source())
+        if name in _UNARY_OPS and "unary" in rows:
+            return lambda dst, src: self._kb._issue(
+                self.engine, rows["unary"], (name, dst, src), {}, _caller_source())
+        if name in _BINARY_OPS and "binary" in rows:
+            return lambda dst, a, b: self._kb._issue(
+                self.engine, rows["binary"], (name, dst, a, b), {}, _caller_source())
+        raise AttributeError(
+            f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
+        )
+
+    def matmul_mx(self, acc: Tile, a: MXTensor | Tile, b: MXTensor | Tile,
+                  mode: str = "accumulate") -> Instruction:
+        """``mxu.matmul`` with MXTensor operands (codes and scales passed together)."""
+        a_codes, a_scale = (a.codes, a.scales) if isinstance(a, MXTensor) else (a, None)
+        b_codes, b_scale = (b.codes, b.scales) if isinstance(b, MXTensor) else (b, None)
+        return self._kb._issue(self.engine, self._rows["matmul"], (acc, a_codes, b_codes),
+                               {"a_scale": a_scale, "b_scale": b_scale, "mode": mode},
+                               _caller_source())
+
+
+class CoreHandle:
+    """The engines of one core: ``dma[q]``, ``mxu``, ``vpu``."""
+
+    def __init__(self, builder: KernelBuilder, core: int, queues: int) -> None:
+        self.index = core
+        self.dma = [EngineHandle(builder, Engine(core, "dma", q)) for q in range(queues)]
+        self.mxu = EngineHandle(builder, Engine(core, "mxu"))
+        self.vpu = EngineHandle(builder, Engine(core, "vpu"))
+
+
+class KernelBuilder:
+    """Records a kernel as a Program.
+
+    Args:
+        name: kernel name.
+        chip: a ChipSpec or a preset name (capacities, cores and DMA queues come from it).
+    """
+
+    def __init__(self, name: str, chip: ChipSpec | str = "tiny") -> None:
+        self.name = name
+        self.chip = load_preset(chip) if isinstance(chip, str) else chip
+        self.preset = chip if isinstance(chip, str) else self.chip.name
+        self._instructions: list[Instruction] = []
+        self._allocs: list[Allocation] = []
+        self._next: dict[tuple[Space, int], int] = {}
+        self._sems: list[Semaphore] = []
+        self._cores: dict[int, CoreHandle] = {}
+        self._tensors: dict[str, tuple[str, tuple[int, int]]] = {}
+        self.link = EngineHandle(self, Engine(-1, "link"))
+
+    # --- memory ---------------------------------------------------------------------------
+    def _alloc(self, space: Space, core: int, name: str, nbytes: int, align: int) -> int:
+        if any(a.name == name and a.space is space and a.core == core for a in self._allocs):
+            raise InvalidArgumentError(f"allocation {name!r} already exists in {space.value}")
+        if space is not Space.HBM and not 0 <= core < self.chip.core.count:
+            raise InvalidArgumentError(
+                f"core {core} does not exist: {self.chip.name} has {self.chip.core.count} cores")
+        capacity = {Space.HBM: self.chip.hbm.capacity_bytes,
+                    Space.SRAM: self.chip.sram.scratchpad_bytes,
+                    Space.ACC: self.chip.sram.accumulator_bytes}[space]
+        start = -(-self._next.get((space, core), 0) // align) * align
+        if start + nbytes > capacity:
+            where = "HBM" if space is Space.HBM else f"{space.value} of core {core}"
+            raise CapacityExceeded(
+                f"allocating {name!r} ({nbytes:,} B) in {where}: {capacity - start:,} B of "
+                f"{capacity:,} B are free", hint="use smaller tiles or reuse buffers")
+        self._next[(space, core)] = start + nbytes
+        self._allocs.append(Allocation(name, space, core if space is not Space.HBM else 0,
+                                       start, nbytes))
+        return start
+
+    def _tile(self, space: Space, core: int, name: str, shape: tuple[int, int], dtype: str,
+              align: int) -> Tile:
+        if dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        rows, cols = shape
+        nbytes = rows * DTYPES[dtype].row_bytes(cols)
+        off = self._alloc(space, core, name, nbytes, align)
+        if space is Space.HBM:
+            self._tensors[name] = (dtype, (rows, cols))
+        return Tile(space, core if space is not Space.HBM else 0, off, dtype, rows, cols)
+
+    def hbm(self, name: str, shape: tuple[int, int], dtype: str) -> Tile:
+        """Allocate a named [rows, cols] tensor in HBM; returns its whole tile."""
+        return self._tile(Space.HBM, 0, name, shape, dtype, _HBM_ALIGN)
+
+    def hbm_mx(self, name: str, shape: tuple[int, int], fmt: str = "fp4", axis: int = 1) -> MXTensor:
+        """Allocate an MX tensor in HBM: ``name`` (codes) and ``name.scales``."""
+        return self._mx(Space.HBM, 0, name, shape, fmt, axis, _HBM_ALIGN)
+
+    def sram(self, core: int, name: str, shape: tuple[int, int], dtype: str) -> Tile:
+        """Allocate a named tile in ``core``'s scratchpad."""
+        return self._tile(Space.SRAM, core, name, shape, dtype, _SRAM_ALIGN)
+
+    def sram_mx(self, core: int, name: str, shape: tuple[int, int], fmt: str = "fp4",
+                axis: int = 1) -> MXTensor:
+        """Allocate an MX tile (codes + scales) in ``core``'s scratchpad."""
+        return self._mx(Space.SRAM, core, name, shape, fmt, axis, _SRAM_ALIGN)
+
+    def acc(self, core: int, name: str, shape: tuple[int, int]) -> Tile:
+        """Allocate FP32 accumulators in ``core``'s accumulator memory."""
+        return self._tile(Space.ACC, core, name, shape, "f32", _SRAM_ALIGN)
+
+    def _mx(self, space, core, name, shape, fmt, axis, align) -> MXTensor:
+        if DTYPES.get(fmt) is None or DTYPES[fmt].mx_fmt is None:
+            raise InvalidArgumentError(f"fmt={fmt!r} is not an MX element dtype (fp4, fp8e4, fp8e5)")
+        rows, cols = shape
+        if axis not in (0, 1) or shape[axis] % 32:
+            raise InvalidArgumentError(f"axis={axis}: MX tensors of shape {shape} need that axis "
+                                       "to be 0 or 1 and a multiple of 32")
+        codes = self._tile(space, core, name, shape, fmt, align)
+        sshape = (rows, cols // 32) if axis == 1 else (rows // 32, cols)
+        scales = self._tile(space, core, f"{name}.scales", sshape, "e8m0", align)
+        return MXTensor(codes, scales, axis)
+
+    def semaphore(self, name: str) -> Semaphore:
+        """A new semaphore (counter starting at 0)."""
+        sem = Semaphore(len(self._sems), name)
+        self._sems.append(sem)
+        return sem
+
+    # --- engines --------------------------------------------------------------------------
+    def core(self, index: int) -> CoreHandle:
+        """Handles for the engines of core ``index``."""
+        if not 0 <= index < self.chip.core.count:
+            raise InvalidArgumentError(
+                f"core {index} does not exist: {self.chip.name} has {self.chip.core.count} cores")
+        if index not in self._cores:
+            self._cores[index] = CoreHandle(self, index, self.chip.dma.queues_per_core)
+        return self._cores[index]
+
+    def _issue(self, engine: Engine, row: InstrSpec, args: tuple, kwargs: dict,
+               source: str) -> Instruction:
+        from .legality import check_instruction  # the legality checker reads the same table
+
+        values: dict[str, Any] = {}
+        names = [op.name for op in row.operands]
+        if len(args) > len(names):
+            raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
+                                     f"got {len(args)}", engine=str(engine), source=source)
+        for name, value in zip(names, args, strict=False):
+            values[name] = value
+        for name, value in kwargs.items():
+            if name not in names:
+                raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}",
+                                         engine=str(engine), source=source)
+            if name in values:
+                raise IllegalInstruction(f"operand {name!r} given twice", engine=str(engine),
+                                         source=source)
+            values[name] = value
+        ordered = []
+        for op in row.operands:
+            v = values.get(op.name, op.default if op.optional else _MISSING)
+            if v is _MISSING:
+                raise IllegalInstruction(f"{row.mnemonic} needs operand {op.name!r}",
+                                         engine=str(engine), source=source)
+            if isinstance(v, Semaphore):
+                v = v.id
+            if isinstance(v, MXTensor):
+                raise IllegalInstruction(
+                    f"operand {op.name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
+                    engine=str(engine), source=source)
+            ordered.append((op.name, v))
+        ins = Instruction(row.mnemonic, engine, tuple(ordered), source)
+        check_instruction(ins, index=len(self._instructions))
+        self._instructions.append(ins)
+        return ins
+
+    def build(self) -> Program:
+        """The recorded Program."""
+        return Program(
+            name=self.name,
+            instructions=tuple(self._instructions),
+            allocations=tuple(self._allocs),
+            preset=self.preset,
+            semaphores=tuple((s.id, s.name) for s in self._sems),
+            meta=(("tensors", tuple(self._tensors.items())),),
+        )
+
+
+_MISSING = object()

@@ -1,0 +1,299 @@
+"""The program checker: capacity and bounds, deadlock, races and reads of memory never written.
+
+Stage: emulator, before either pass. It proves properties of the static Program, so a program
+that passes runs the same way in any legal interleaving of its engines.
+
+Ordering model (the same one the timing pass implements):
+- The matrix unit, the vector unit and the link engine finish instructions in issue order, so
+  program order on them is a happens-before order.
+- A DMA queue keeps several descriptors in flight: two DMAs on one queue are NOT ordered with each
+  other. ``sem.signal``, ``sem.wait`` and ``barrier`` on a DMA queue are fences: the queue waits
+  for its earlier transfers to complete before going past them.
+- ``sem.wait(s, v)`` happens after those ``sem.signal``s on ``s`` that every schedule must have
+  executed to reach ``v`` (an engine's signals count only beyond what all other engines could
+  contribute). ``barrier`` joins every participant. ``link.recv`` follows its ``link.send``.
+
+Two accesses race when they touch overlapping bytes, at least one writes, and neither happens
+before the other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import numpy as np
+from jalapeno_emu.isa.table import Space
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
+from jalapeno_emu.emu.schedule import link_key, sequential_order
+from jalapeno_emu.errors import (
+    CapacityExceeded,
+    IllegalInstruction,
+    OutOfBounds,
+    Race,
+    UninitializedRead,
+)
+
+__all__ = ["check_program", "tiles_overlap"]
+
+_FENCES = ("sem.signal", "sem.wait", "barrier")
+
+
+def _err(cls, msg: str, idx: int, ins: Instruction, addresses=(), hint=None):
+    return cls(msg, index=idx, engine=str(ins.engine), source=ins.source, addresses=addresses,
+               hint=hint)
+
+
+def tiles_overlap(a: Tile, b: Tile) -> bool:
+    """True when two tiles of the same memory share at least one byte (strides honoured exactly)."""
+    if a.space is not b.space or (a.space is not Space.HBM and a.core != b.core):
+        return False
+    if a.end <= b.offset or b.end <= a.offset:
+        return False
+    if a.contiguous and b.contiguous:
+        return True
+    if a.rows > b.rows:
+        a, b = b, a
+    # For each row [x, x + la) of a, is there a row q of b with b0 + q*sb < x + la and
+    # b0 + q*sb + lb > x?  Solve for the admissible q range and intersect with [0, rows_b).
+    x = a.offset + np.arange(a.rows, dtype=np.int64) * a.stride
+    la, lb, sb, b0 = a.row_bytes, b.row_bytes, max(b.stride, 1), b.offset
+    q_min = np.floor_divide(x - lb - b0, sb) + 1
+    q_max = -np.floor_divide(-(x + la - b0), sb) - 1
+    q_min = np.maximum(q_min, 0)
+    q_max = np.minimum(q_max, b.rows - 1)
+    return bool(np.any(q_min <= q_max))
+
+
+def _check_capacity(program: Program, spec: ChipSpec) -> None:
+    caps = {Space.HBM: spec.hbm.capacity_bytes, Space.SRAM: spec.sram.scratchpad_bytes,
+            Space.ACC: spec.sram.accumulator_bytes}
+    by_space: dict[tuple[Space, int], list] = defaultdict(list)
+    for a in program.allocations:
+        where = "HBM" if a.space is Space.HBM else f"{a.space.value} of core {a.core}"
+        if a.space is not Space.HBM and not 0 <= a.core < spec.core.count:
+            raise CapacityExceeded(f"allocation {a.name!r} is on core {a.core}, but {spec.name} has "
+                                   f"{spec.core.count} cores")
+        if a.end > caps[a.space]:
+            raise CapacityExceeded(
+                f"allocation {a.name!r} ends at byte {a.end:,} of {where}, which holds "
+                f"{caps[a.space]:,} B", hint="shrink the tiles or reuse buffers")
+        by_space[(a.space, a.core)].append(a)
+    for allocs in by_space.values():
+        allocs.sort(key=lambda a: a.offset)
+        for x, y in itertools.pairwise(allocs):
+            if y.offset < x.end:
+                raise OutOfBounds(f"allocations {x.name!r} and {y.name!r} overlap in "
+                                  f"{x.space.value} ({x.offset:#x}..{x.end:#x} and {y.offset:#x}..)")
+    hbm = sorted((a for a in program.allocations if a.space is Space.HBM), key=lambda a: a.offset)
+    for idx, ins in enumerate(program.instructions):
+        eng = ins.engine
+        if eng.unit != "link" and not 0 <= eng.core < spec.core.count:
+            raise _err(IllegalInstruction, f"core {eng.core} does not exist ({spec.name} has "
+                       f"{spec.core.count})", idx, ins)
+        if eng.unit == "dma" and not 0 <= eng.queue < spec.dma.queues_per_core:
+            raise _err(IllegalInstruction, f"DMA queue {eng.queue} does not exist (each core has "
+                       f"{spec.dma.queues_per_core})", idx, ins)
+        for name, t, _ in ins.tiles():
+            if t.space is not Space.HBM and not 0 <= t.core < spec.core.count:
+                raise _err(OutOfBounds, f"operand {name} is on core {t.core}, which does not exist",
+                           idx, ins, (t.region(),))
+            if t.end > caps[t.space]:
+                where = "HBM" if t.space is Space.HBM else f"the {caps[t.space]:,} B {t.space.value}"
+                raise _err(OutOfBounds, f"operand {name} reaches byte {t.end:,}, past {where}",
+                           idx, ins, (t.region(),))
+            if t.space is Space.HBM and not any(a.offset <= t.offset and t.end <= a.end for a in hbm):
+                raise _err(OutOfBounds, f"operand {name} is not inside one HBM allocation", idx, ins,
+                           (t.region(),), hint="allocate the tensor first (.alloc / kb.hbm)")
+
+
+class _Clocks:
+    """Vector clocks implementing the ordering model in the module docstring."""
+
+    def __init__(self) -> None:
+        self.engine_vc: dict[Engine, dict[Engine, int]] = defaultdict(dict)
+        self.counter: dict[Engine, int] = defaultdict(int)
+        self.dma_since_fence: dict[Engine, int] = {}
+        self.signal_vcs: dict[int, list[tuple[Engine, int, dict]]] = defaultdict(list)
+        self.barriers: dict[int, list[dict]] = defaultdict(list)
+        self.sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
+
+    @staticmethod
+    def join(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for k, v in b.items():
+            if out.get(k, 0) < v:
+                out[k] = v
+        return out
+
+    def step(self, ins: Instruction, program: Program, sem_totals, sem_signals) -> tuple[Engine, int, dict]:
+        """(engine, id, vector clock) of the instruction's memory accesses."""
+        eng = ins.engine
+        self.counter[eng] += 1
+        my_id = self.counter[eng]
+        vc = self.engine_vc[eng]
+        mn = ins.mnemonic
+        is_dma = eng.unit == "dma"
+        if is_dma and mn not in _FENCES:
+            # A DMA is ordered after the queue's last fence, not after the DMAs before it.
+            return eng, my_id, dict(vc)
+        if is_dma:  # a fence: every earlier transfer of this queue has completed
+            vc = dict(vc)
+            vc[eng] = my_id
+        else:
+            vc = dict(vc)
+            vc[eng] = my_id
+        if mn == "sem.wait":
+            sem, need = ins.arg("sem"), ins.arg("value")
+            for sig_eng, cum, svc in self.signal_vcs[sem]:
+                others = sem_totals[sem] - sem_signals[sem].get(sig_eng, 0)
+                if cum >= need - others > 0:
+                    vc = self.join(vc, svc)
+        elif mn == "barrier":
+            pass  # joined when the barrier completes (below, via barrier_join)
+        elif mn == "link.recv":
+            sends = self.sends[link_key(ins)]
+            if sends:
+                vc = self.join(vc, sends.pop(0))
+        self.engine_vc[eng] = vc
+        if mn == "sem.signal":
+            sem = ins.arg("sem")
+            prev = [c for e, c, _ in self.signal_vcs[sem] if e == eng]
+            cum = (prev[-1] if prev else 0) + ins.arg("count")
+            self.signal_vcs[sem].append((eng, cum, dict(vc)))
+        elif mn == "link.send":
+            self.sends[link_key(ins)].append(dict(vc))
+        return eng, my_id, dict(vc)
+
+
+def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool = True) -> list[int]:
+    """Check ``program`` for ``spec``; return the sequential order it was checked in.
+
+    Raises:
+        IllegalInstruction: an instruction breaks the ISA's rules.
+        CapacityExceeded, OutOfBounds: memory does not fit or a tile leaves its memory.
+        Deadlock: some engine waits forever (who waits on what is in the message).
+        Race: two unordered accesses to overlapping bytes, one a write.
+        UninitializedRead: SRAM or accumulators read before anything wrote them (HBM is host
+            memory: inputs arrive there before a kernel starts, so it is not checked).
+    """
+    from jalapeno_emu.isa.legality import check_program as check_legality
+
+    check_legality(program)
+    _check_capacity(program, spec)
+    order = sequential_order(program)
+
+    sem_totals: dict[int, int] = defaultdict(int)
+    sem_signals: dict[int, dict[Engine, int]] = defaultdict(lambda: defaultdict(int))
+    barrier_members: dict[int, list[int]] = defaultdict(list)
+    for idx, ins in enumerate(program.instructions):
+        if ins.mnemonic == "sem.signal":
+            sem_totals[ins.arg("sem")] += ins.arg("count")
+            sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
+        elif ins.mnemonic == "barrier":
+            barrier_members[ins.arg("id")].append(idx)
+
+    clocks = _Clocks()
+    accesses: dict[tuple[Space, int], list[tuple[Tile, bool, Engine, int, dict, int]]] = defaultdict(list)
+    written: dict[tuple[Space, int], list[Tile]] = defaultdict(list)
+    pending_barrier: dict[int, list[tuple[Engine, dict]]] = defaultdict(list)
+    for idx in order:
+        ins = program.instructions[idx]
+        eng, my_id, vc = clocks.step(ins, program, sem_totals, sem_signals)
+        if ins.mnemonic == "barrier":
+            bid = ins.arg("id")
+            pending_barrier[bid].append((eng, vc))
+            if len(pending_barrier[bid]) >= ins.arg("count"):
+                joined: dict = {}
+                for _, v in pending_barrier[bid]:
+                    joined = clocks.join(joined, v)
+                for e, _ in pending_barrier[bid]:
+                    clocks.engine_vc[e] = clocks.join(clocks.engine_vc[e], joined)
+        for name, tile, writes in ins.tiles():
+            key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
+            if not writes and check_uninitialized and tile.space is not Space.HBM:
+                _check_initialized(tile, written[key], idx, ins, name)
+            if ins.mnemonic == "mxu.matmul" and name == "acc" and ins.arg("mode") == "accumulate":
+                if check_uninitialized:
+                    _check_initialized(tile, written[key], idx, ins, name)
+                _check_races(accesses[key], tile, False, eng, my_id, vc, idx, program, ins, name)
+            _check_races(accesses[key], tile, writes, eng, my_id, vc, idx, program, ins, name)
+            accesses[key].append((tile, writes, eng, my_id, vc, idx))
+            if writes and tile.space is not Space.HBM:
+                written[key].append(tile)
+    return order
+
+
+def _happens_before(x_eng: Engine, x_id: int, y_vc: dict) -> bool:
+    return y_vc.get(x_eng, 0) >= x_id
+
+
+def _check_races(prior, tile, writes, eng, my_id, vc, idx, program, ins, name) -> None:
+    keep = []
+    for entry in prior:
+        t, w, e, i, _, j = entry
+        if (w or writes) and tiles_overlap(t, tile) and not _happens_before(e, i, vc):
+            other = program.instructions[j]
+            raise Race(
+                f"operand {name} ({'writes' if writes else 'reads'}) overlaps instruction #{j} on "
+                f"{e} ({other.mnemonic}, {'writes' if w else 'reads'}, {other.source or 'no source'}) "
+                "with no semaphore ordering between them",
+                index=idx, engine=str(ins.engine), source=ins.source,
+                addresses=(tile.region(), t.region()),
+                hint="signal a semaphore after the first and wait for it before the second",
+            )
+        # An access that happens before this write and lies inside it can never race again
+        # without this write racing first: forget it, to keep the scan short.
+        if writes and _happens_before(e, i, vc) and tile.contiguous and tile.offset <= t.offset \
+                and t.end <= tile.end:
+            continue
+        keep.append(entry)
+    prior[:] = keep
+
+
+def _check_initialized(tile: Tile, writes: list[Tile], idx: int, ins: Instruction, name: str) -> None:
+    rows = np.arange(tile.rows, dtype=np.int64)
+    starts = tile.offset + rows * tile.stride
+    ends = starts + tile.row_bytes
+    covered = _covered(starts, ends, writes)
+    if not covered:
+        raise UninitializedRead(
+            f"operand {name} reads {tile.space.value} bytes that nothing has written",
+            index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
+            hint="load or compute the data first" + (
+                "; the first matmul into fresh accumulators needs mode=overwrite"
+                if ins.mnemonic == "mxu.matmul" and name == "acc" else ""),
+        )
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray, writes: list[Tile]) -> bool:
+    """True when every [start, end) interval is inside the union of the written tiles' rows."""
+    if not writes:
+        return False
+    lo, hi = int(starts.min()), int(ends.max())
+    spans = []
+    for t in writes:
+        if t.end <= lo or t.offset >= hi:
+            continue
+        if t.contiguous:
+            spans.append((t.offset, t.end))
+        else:
+            r = np.arange(t.rows, dtype=np.int64)
+            s = t.offset + r * t.stride
+            spans.extend(zip(s.tolist(), (s + t.row_bytes).tolist(), strict=True))
+    if not spans:
+        return False
+    spans.sort()
+    merged = [list(spans[0])]
+    for s, e in spans[1:]:
+        if s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    m_starts = np.array([m[0] for m in merged])
+    m_ends = np.array([m[1] for m in merged])
+    pos = np.searchsorted(m_starts, starts, side="right") - 1
+    ok = (pos >= 0) & (m_ends[np.maximum(pos, 0)] >= ends)
+    return bool(ok.all())

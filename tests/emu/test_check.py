@@ -1,0 +1,85 @@
+"""The checker: each class of illegal program raises its own error with instruction and source."""
+
+import pytest
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.table import Space
+
+from jalapeno_emu.chip import load_preset
+from jalapeno_emu.emu.check import check_program, tiles_overlap
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.errors import CapacityExceeded, Deadlock, OutOfBounds, Race, UninitializedRead
+from tests.emu.programs import build_gemm, matmul_tile_program
+
+TINY = load_preset("tiny")
+
+
+def test_well_formed_programs_pass():
+    assert len(check_program(matmul_tile_program(), TINY)) == 13
+    for double in (False, True):
+        check_program(build_gemm(256, 256, 1024, double_buffer=double), TINY)
+
+
+def test_missing_wait_is_a_race_naming_both_instructions():
+    with pytest.raises(Race) as err:
+        check_program(matmul_tile_program(race=True), TINY)
+    e = err.value
+    assert e.index == 5 and e.engine == "c0.mxu" and "programs.py" in e.source
+    assert "instruction #0 on c0.dma0" in str(e) and e.hint
+
+
+def test_accumulating_into_fresh_accumulators_is_an_uninitialized_read():
+    with pytest.raises(UninitializedRead, match="mode=overwrite"):
+        check_program(matmul_tile_program(uninit=True), TINY)
+
+
+def test_unsatisfiable_wait_is_a_deadlock_saying_who_waits_on_whom():
+    with pytest.raises(Deadlock) as err:
+        check_program(matmul_tile_program(wait_value=2), TINY)
+    assert "c0.mxu" in str(err.value) and "(loaded) >= 2" in str(err.value)
+
+
+def test_two_dmas_on_one_queue_are_not_ordered():
+    kb = KernelBuilder("q", chip="tiny")
+    x_h, y_h = kb.hbm("X", (8, 64), "f32"), kb.hbm("Y", (8, 64), "f32")
+    buf = kb.sram(0, "buf", (8, 64), "f32")
+    c0 = kb.core(0)
+    c0.dma[0].load(buf, x_h)
+    c0.dma[0].store(y_h, buf)  # may overtake the load: DMA queues keep several in flight
+    with pytest.raises(Race):
+        check_program(kb.build(), TINY)
+    kb2 = KernelBuilder("q", chip="tiny")
+    x_h, y_h = kb2.hbm("X", (8, 64), "f32"), kb2.hbm("Y", (8, 64), "f32")
+    buf = kb2.sram(0, "buf", (8, 64), "f32")
+    s = kb2.semaphore("fence")
+    c0 = kb2.core(0)
+    c0.dma[0].load(buf, x_h)
+    c0.dma[0].signal(s)  # a signal is a fence on its queue
+    c0.dma[0].store(y_h, buf)
+    check_program(kb2.build(), TINY)
+
+
+def test_sram_allocation_over_capacity():
+    kb = KernelBuilder("big", chip="tiny")
+    with pytest.raises(CapacityExceeded, match="free"):
+        kb.sram(0, "huge", (1024, 1024), "f32")
+
+
+def test_tile_outside_hbm_allocation_is_out_of_bounds():
+    kb = KernelBuilder("oob", chip="tiny")
+    x_h = kb.hbm("X", (8, 64), "f32")
+    buf = kb.sram(0, "buf", (16, 64), "f32")
+    outside = Tile(Space.HBM, 0, x_h.offset, "f32", 16, 64)
+    kb.core(0).dma[0].load(buf, outside)
+    with pytest.raises(OutOfBounds, match="not inside one HBM allocation"):
+        check_program(kb.build(), TINY)
+
+
+def test_strided_tiles_overlap_exactly():
+    m = Tile(Space.SRAM, 0, 0, "f32", 8, 64)  # 8 rows of 256 B
+    left = Tile(Space.SRAM, 0, 0, "f32", 8, 32, 256)
+    right = Tile(Space.SRAM, 0, 128, "f32", 8, 32, 256)
+    assert not tiles_overlap(left, right)
+    assert tiles_overlap(left, m) and tiles_overlap(right, m)
+    assert tiles_overlap(right, Tile(Space.SRAM, 0, 1020, "f32", 1, 2))
+    assert not tiles_overlap(right, Tile(Space.SRAM, 0, 0, "f32", 1, 32))
+    assert not tiles_overlap(left, Tile(Space.SRAM, 1, 0, "f32", 8, 32, 256))

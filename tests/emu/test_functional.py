@@ -1,0 +1,157 @@
+"""The functional pass against pure-JAX / mx references, on tiny shapes."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jalapeno_emu.isa.builder import KernelBuilder
+
+from jalapeno_emu import mx
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.errors import Deadlock, OutOfBounds
+from tests.emu.programs import build_gemm, matmul_tile_program, vector_program
+
+
+def _bits(a):
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize(("af", "bf", "fa", "fb"), [("fp4", "fp4", "e2m1", "e2m1"),
+                                                    ("fp8e4", "fp4", "e4m3", "e2m1"),
+                                                    ("fp8e5", "fp8e4", "e5m2", "e4m3")])
+def test_matmul_tile_is_bit_exact_with_mx_matmul(af, bf, fa, fb):
+    rng = np.random.default_rng(1)
+    a = mx.quantize(rng.standard_normal((32, 128)).astype(np.float32), fa, axis=1)
+    b = mx.quantize(rng.standard_normal((128, 64)).astype(np.float32), fb, axis=0)
+    out = run_functional(matmul_tile_program(a_fmt=af, b_fmt=bf), {"A": a, "B": b}).read("C")
+    assert np.array_equal(_bits(out), _bits(mx.matmul(a, b)))
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_multicore_gemm_with_k_chunks_is_bit_exact(double):
+    m, n, k = 256, 128, 1024  # two cores, two K chunks accumulate in order
+    rng = np.random.default_rng(2)
+    a = mx.quantize(rng.standard_normal((m, k)).astype(np.float32), axis=1)
+    b = mx.quantize(rng.standard_normal((k, n)).astype(np.float32), axis=0)
+    out = run_functional(build_gemm(m, n, k, double_buffer=double), {"A": a, "B": b}).read("C")
+    assert np.array_equal(_bits(out), _bits(mx.matmul(a, b)))
+
+
+def test_bf16_matmul_sums_each_block_in_order():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((32, 64)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16)
+    out = run_functional(matmul_tile_program(m=32, k=64, n=32, a_fmt="bf16", b_fmt="bf16"),
+                         {"A": a, "B": b}).read("C")
+    af, bf = a.astype(np.float32), b.astype(np.float32)
+    want = np.zeros((32, 32), np.float32)
+    for j in range(2):
+        blk = np.zeros((32, 32), np.float32)
+        for kk in range(32 * j, 32 * j + 32):
+            blk = blk + np.outer(af[:, kk], bf[kk])
+        want = want + blk
+    assert np.array_equal(_bits(out), _bits(want))
+
+
+_UNARY_REF = {
+    "exp": jnp.exp, "rsqrt": jax.lax.rsqrt, "sigmoid": jax.nn.sigmoid,
+    "silu": lambda x: x * jax.nn.sigmoid(x), "neg": jnp.negative, "abs": jnp.abs,
+    "recip": lambda x: 1 / x, "square": jnp.square, "copy": lambda x: x,
+}
+
+
+@pytest.mark.parametrize("op", sorted(_UNARY_REF))
+def test_unary_vector_ops(op):
+    rng = np.random.default_rng(4)
+    x = np.abs(rng.standard_normal((8, 64))).astype(np.float32) + 0.1
+    out = run_functional(vector_program(op), {"X": x, "Y": x}).read("Z")
+    np.testing.assert_array_equal(out, np.asarray(_UNARY_REF[op](jnp.asarray(x))))
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "max", "min", "clamp", "scale",
+                                "reduce_max", "reduce_sum", "topk"])
+def test_other_vector_ops(op):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    y = rng.standard_normal((8, 64)).astype(np.float32)
+    res = run_functional(vector_program(op), {"X": x, "Y": y})
+    out = res.read("Z")
+    want = {
+        "add": x + y, "sub": x - y, "mul": x * y, "max": np.maximum(x, y), "min": np.minimum(x, y),
+        "clamp": np.clip(x, -0.5, 0.75), "scale": x * np.float32(0.125),
+        "reduce_max": x.max(1, keepdims=True),
+        "reduce_sum": np.cumsum(x, axis=1, dtype=np.float32)[:, -1:],
+        "topk": -np.sort(-x, axis=1)[:, :4],
+    }[op]
+    np.testing.assert_array_equal(out, want)
+    if op == "topk":
+        np.testing.assert_array_equal(res.read("ZI"), np.argsort(-x, axis=1, kind="stable")[:, :4])
+
+
+def test_bf16_output_rounds_to_nearest_even():
+    x = np.array([[1 + 2.0**-8, 1 + 3 * 2.0**-8] * 32] * 8, np.float32)  # ties in bf16
+    out = run_functional(vector_program("copy", dtype="bf16"), {"X": x, "Y": x}).read("Z")
+    assert out.dtype == ml_dtypes.bfloat16
+    assert float(out[0, 0]) == 1.0 and float(out[0, 1]) == 1 + 2**-6
+
+
+def test_quantize_instruction_matches_mx_quantize():
+    kb = KernelBuilder("q", chip="tiny")
+    x_h = kb.hbm("X", (4, 64), "f32")
+    q_h = kb.hbm_mx("Q", (4, 64), "fp4", axis=1)
+    x = kb.sram(0, "x", (4, 64), "f32")
+    q = kb.sram_mx(0, "q", (4, 64), "fp4", 1)
+    s1, s2 = kb.semaphore("in"), kb.semaphore("out")
+    c0 = kb.core(0)
+    c0.dma[0].load(x, x_h)
+    c0.dma[0].signal(s1)
+    c0.vpu.wait(s1, 1)
+    c0.vpu.quantize(q.codes, q.scales, x, scale_mode="rceil")
+    c0.vpu.signal(s2)
+    c0.dma[1].wait(s2, 1)
+    c0.dma[1].store(q_h.codes, q.codes)
+    c0.dma[1].store(q_h.scales, q.scales)
+    xv = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32) * 3
+    res = run_functional(kb.build(), {"X": xv})
+    want = mx.quantize(xv, "e2m1", scale_mode="rceil")
+    np.testing.assert_array_equal(res.read("Q"), np.asarray(want.codes))
+    np.testing.assert_array_equal(res.read("Q.scales"), np.asarray(want.scales))
+
+
+def test_gather_picks_rows_and_rejects_bad_indices():
+    kb = KernelBuilder("g", chip="tiny")
+    table = kb.hbm("T", (16, 32), "f32")
+    ids_h = kb.hbm("I", (4, 1), "i32")
+    out_h = kb.hbm("O", (4, 32), "f32")
+    ids = kb.sram(0, "ids", (4, 1), "i32")
+    out = kb.sram(0, "out", (4, 32), "f32")
+    s1, s2 = kb.semaphore("ids"), kb.semaphore("rows")
+    c0 = kb.core(0)
+    c0.dma[0].load(ids, ids_h)
+    c0.dma[0].signal(s1)
+    c0.dma[1].wait(s1, 1)
+    c0.dma[1].gather(out, table, ids)
+    c0.dma[1].signal(s2)
+    c0.dma[2].wait(s2, 1)
+    c0.dma[2].store(out_h, out)
+    prog = kb.build()
+    t = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+    got = run_functional(prog, {"T": t, "I": np.array([[3], [0], [15], [3]], np.int32)}).read("O")
+    np.testing.assert_array_equal(got, t[[3, 0, 15, 3]])
+    with pytest.raises(OutOfBounds, match="gather index outside"):
+        run_functional(prog, {"T": t, "I": np.array([[3], [16], [0], [0]], np.int32)})
+
+
+def test_debug_mode_poisons_fresh_memory_with_nan():
+    # Nothing writes B: in debug mode the product is NaN, in normal mode it is zero.
+    rng = np.random.default_rng(7)
+    a = mx.quantize(rng.standard_normal((32, 128)).astype(np.float32), axis=1)
+    prog = matmul_tile_program()
+    assert np.isnan(run_functional(prog, {"A": a}, debug=True).read("C")).all()
+    assert (run_functional(prog, {"A": a}).read("C") == 0).all()
+
+
+def test_deadlocked_program_raises_instead_of_hanging():
+    with pytest.raises(Deadlock, match="waits for semaphore 0"):
+        run_functional(matmul_tile_program(wait_value=2))

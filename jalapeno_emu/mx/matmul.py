@@ -55,6 +55,7 @@ from jalapeno_emu.mx.quantize import element_values
 __all__ = ["block_sum_is_exact_in_f32", "matmul"]
 
 _F32_EXACT_INT_BITS = 24  # float32 holds every integer up to 2^24 exactly
+_BATCHED_PARTIALS_MAX = 1 << 21  # elements of [blocks, M, N] partials materialised at once (8 MiB)
 _FAST_T_MIN = -100  # smallest block-unit exponent the float32 fast path accepts
 _FAST_ACC_MIN_BITS = (127 + _FAST_T_MIN) << 23  # bits of 2^-100
 
@@ -192,13 +193,26 @@ def _matmul_jit(a: MXArray, b: MXArray, acc0: jax.Array) -> jax.Array:
     xs = (a_blocks, b_blocks, sa.T, sb)
 
     def fast(_):
-        def body(acc, x):
-            ab, bb, sa_j, sb_j = x
-            p = jnp.matmul(ab[0], bb[0], precision=lax.Precision.HIGHEST)
+        def scaled_add(acc, p, sa_j, sb_j):
             t = sa_j[:, None] + sb_j[None, :] + unit
             term = p * bits_to_f32((t + 127) << F32_MBITS)
             nan = (sa_j[:, None] == SCALE_NAN) | (sb_j[None, :] == SCALE_NAN)
-            return acc + jnp.where(nan, jnp.nan, term), None
+            return acc + jnp.where(nan, jnp.nan, term)
+
+        if nb * m * n <= _BATCHED_PARTIALS_MAX:
+            # Small enough to hold every block's partial product at once: one batched matmul is
+            # far faster than nb small ones, and the ordered accumulation stays elementwise.
+            p_all = jnp.einsum("jmk,jkn->jmn", a_blocks[:, 0], b_blocks[:, 0],
+                               precision=lax.Precision.HIGHEST)
+            acc = acc0
+            for j in range(nb):
+                acc = scaled_add(acc, p_all[j], sa[:, j], sb[j])
+            return acc
+
+        def body(acc, x):
+            ab, bb, sa_j, sb_j = x
+            p = jnp.matmul(ab[0], bb[0], precision=lax.Precision.HIGHEST)
+            return scaled_add(acc, p, sa_j, sb_j), None
 
         acc, _ = lax.scan(body, acc0, xs)
         return acc

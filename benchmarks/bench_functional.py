@@ -1,0 +1,74 @@
+"""Speed of the functional pass: a double-buffered MXFP4 GEMM program against ``mx.matmul``.
+
+Both compute the same [M, N] product bit for bit; the ratio is what the emulator's byte-level
+memory, instruction dispatch and tiling cost on top of the bare math. Compilation is timed
+separately (first call) and excluded from the steady-state ratio. Goal (issue 3): at most 2x.
+
+Run: python benchmarks/bench_functional.py [--m 1024 --n 1024 --k 2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jalapeno_emu import mx
+from jalapeno_emu.emu.functional import run_functional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gemm_from_scratch import build_gemm  # noqa: E402  (the worked example is the kernel)
+
+
+def best_s(fn, repeats: int) -> float:
+    """Best wall time of ``repeats`` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    """Time both and print the ratio."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, default=1024)
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    a = mx.quantize(rng.standard_normal((args.m, args.k)).astype(np.float32), axis=1)
+    b = mx.quantize(rng.standard_normal((args.k, args.n)).astype(np.float32), axis=0)
+    t0 = time.perf_counter()
+    prog = build_gemm(args.m, args.n, args.k, double_buffer=True, chip=args.preset)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = run_functional(prog, {"A": a, "B": b}).read("C")
+    first_s = time.perf_counter() - t0
+    want = np.asarray(mx.matmul(a, b))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), "functional != mx.matmul"
+    emu_s = best_s(lambda: run_functional(prog, {"A": a, "B": b}).buffers, args.repeats)
+    ref_s = best_s(lambda: mx.matmul(a, b), args.repeats)
+    res = {"shape": [args.m, args.n, args.k], "instructions": len(prog.instructions),
+           "build_s": build_s, "first_call_s": first_s, "functional_s": emu_s,
+           "mx_matmul_s": ref_s, "ratio": emu_s / ref_s}
+    for k, v in res.items():
+        print(f"{k:>14}: {v}")
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(res, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import run_functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gemm_from_scratch import build_gemm  # noqa: E402  (the worked example is the kernel)
+from gemm_from_scratch import build_gemm
 
 
 def best_s(fn, repeats: int) -> float:

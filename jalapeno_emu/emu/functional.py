@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jalapeno_emu.isa.table import DTYPES, Space
 from jax import lax
 
 from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
+from jalapeno_emu.isa.table import DTYPES, Space
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.matmul import _matmul_jit
 from jalapeno_emu.mx.quantize import _quantize_jit

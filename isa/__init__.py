@@ -3,7 +3,70 @@
 Stage: ISA, right after numerics. It will hold the instruction table (the single source of truth
 for mnemonics, operands, encodings, legality and timing parameters), the encoder, assembler,
 disassembler and builder. Its matrix-unit instruction computes exactly ``jalapeno_emu.mx.matmul``.
-Nothing is exported yet: the table lands with the emulator (issue 3).
+Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker, the binary encoding, the
+assembler/disassembler and the generated reference (``isa/README.md``).
+
+The modules that handle ``Instruction``/``Program`` objects load on first use: ``emu/program.py``
+imports ``isa.table`` (which runs this file), so importing them eagerly here would be an import
+cycle whenever ``jalapeno_emu.emu.program`` is imported first.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .table import TABLE, by_mnemonic
+
+if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time see _LAZY
+    from .asm import assemble, disassemble
+    from .builder import KernelBuilder, MXTensor, Semaphore
+    from .encoding import decode, decode_program, encode, encode_program
+    from .legality import check_instruction, check_program
+    from .reference import reference_markdown
+
+__all__ = [
+    "TABLE",
+    "KernelBuilder",
+    "MXTensor",
+    "Semaphore",
+    "assemble",
+    "by_mnemonic",
+    "check_instruction",
+    "check_program",
+    "decode",
+    "decode_program",
+    "disassemble",
+    "encode",
+    "encode_program",
+    "reference_markdown",
+]
+
+# Name -> submodule, imported on first attribute access (PEP 562).
+_LAZY = {
+    "assemble": "asm",
+    "disassemble": "asm",
+    "decode": "encoding",
+    "decode_program": "encoding",
+    "encode": "encoding",
+    "encode_program": "encoding",
+    "check_instruction": "legality",
+    "check_program": "legality",
+    "reference_markdown": "reference",
+    "KernelBuilder": "builder",
+    "MXTensor": "builder",
+    "Semaphore": "builder",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

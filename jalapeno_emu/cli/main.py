@@ -10,12 +10,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from rich.markup import escape
+
 from jalapeno_emu import __version__
-from jalapeno_emu.cli import chip, demo
+from jalapeno_emu.cli import asm, chip, demo
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.errors import EmuError
 
-COMMANDS = (demo, chip)
+COMMANDS = (demo, chip, asm)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         app.json_output = bool(getattr(args, "json", False))
         return int(args.run(app, args) or 0)
     except (Abort, EmuError) as exc:
-        app.err_console.print(f"[bold red]error:[/bold red] {exc}", markup=True, soft_wrap=True)
+        # escape: messages quote tiles and regions ("sram[c0]:0x0..0x40"), which rich would
+        # otherwise take for markup tags and silently drop.
+        app.err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", markup=True, soft_wrap=True)
         return exc.code if isinstance(exc, Abort) else 2
     except KeyboardInterrupt:
         app.err_console.print("interrupted")

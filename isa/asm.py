@@ -1,0 +1,576 @@
+"""The assembler and disassembler: ``.jasm`` text <-> ``Program``.
+
+Stage: ISA, next to the builder: both produce the Program the emulator runs. Mnemonics, operand
+names, order, kinds and defaults all come from ``isa/table.py``.
+
+Syntax
+------
+
+One statement per line; ``;`` or ``#`` starts a comment (outside double quotes). Blank lines are
+ignored. Directives may come in any order; each applies to the whole file.
+
+```
+; comment (also '#')
+.kernel gemm_tile                      ; kernel name (default: the file's stem)
+.preset tiny                           ; chip preset (default: tiny)
+.alloc hbm A 0x0 8192                  ; SPACE NAME OFFSET SIZE; SPACE is hbm, sram[CORE] or acc[CORE]
+.alloc sram[0] buf 0x0 4096
+.sem 3 a_ready                         ; ID NAME: names a semaphore id
+.init A normal bf16 7                  ; NAME zeros|ones|normal DTYPE [SEED]: initial HBM contents
+c0.dma0: dma.load sram[0]:0x0:bf16[128,256], hbm:0x0:bf16[128,256]/8192
+c0.mxu:  mxu.matmul acc[0]:0x0:f32[32,64], sram[0]:0x0:bf16[32,64], sram[0]:0x1000:bf16[64,64]
+c0.vpu:  vec.unary exp, sram[0]:0x0:f32[8,8], sram[0]:0x100:f32[8,8]
+c0.vpu:  vec.clamp sram[0]:0x0:f32[8,8], sram[0]:0x100:f32[8,8], -7.0, 7.0
+c0.mxu:  sem.signal 3                  ; count defaults to 1
+c0.vpu:  sem.wait a_ready, 1           ; a semaphore by id or by its .sem name
+link:    link.send hbm:0x0:f32[1,64], 0, 1
+```
+
+Instructions are ``ENGINE: MNEMONIC OPERANDS``. Engines are ``c<core>.dma<queue>``,
+``c<core>.mxu``, ``c<core>.vpu`` and the chip-level ``link``. Operands are separated by commas:
+positional ones fill the row's required operands in table order, then its optional ones; any
+operand may instead be written ``name=value`` (the disassembler writes optional operands that
+way and leaves out those equal to their default). Operand values:
+
+- tile: ``hbm:OFFSET:DTYPE[ROWS,COLS]``, ``sram[CORE]:...`` or ``acc[CORE]:...``, optionally
+  followed by ``/STRIDE`` (bytes between rows; default: packed rows). An absent optional tile
+  is simply not written.
+- imm: an integer, decimal or ``0x`` hex, may be negative. sem: a non-negative integer or a
+  name declared with ``.sem``.
+- fimm: any Python float literal (``7``, ``-7.0``, ``1e-6``, ``inf``).
+- enum: one of the row's choices, unquoted.
+
+An MX matmul names its scale tiles (and its mode) as keywords; the statement stays on one line
+(wrapped here): ``c0.mxu: mxu.matmul acc[0]:0x0:f32[32,64], sram[0]:0x0:fp4[32,64],
+sram[0]:0x400:fp4[64,64], a_scale=sram[0]:0x800:e8m0[32,2], b_scale=sram[0]:0x880:e8m0[2,64],
+mode=overwrite``. ``examples/asm/tile_matmul.jasm`` is a whole kernel.
+
+Names (kernel, preset, allocations, semaphores) are ``[A-Za-z_][A-Za-z0-9_.-]*`` or a double-quoted
+JSON string. ``.init NAME KIND DTYPE [SEED]`` fills the HBM allocation NAME before a run: KIND is
+the fill (zeros, ones, or a standard normal seeded by SEED, default 0) and DTYPE the element type
+it is written as; the functional pass (``jalapeno_emu.emu.functional``) defines the conversion.
+
+Every error is an ``AssemblyError`` with the file, line and 1-based column of the offending token,
+and a hint where one helps. Legality failures (see ``isa/legality.py``) point at the operand at
+fault, or at the instruction. Each assembled instruction's ``source`` is ``"FILE:LINE"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from jalapeno_emu.emu.program import Allocation, HbmInit, Instruction, Program, Tile, parse_engine
+from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction
+
+from .legality import check_instruction, operand_values
+from .table import DTYPES, TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
+
+__all__ = ["INIT_KINDS", "assemble", "disassemble", "format_instruction", "format_tile"]
+
+INIT_KINDS = ("zeros", "ones", "normal")
+"""``.init`` kinds (``HbmInit.kind``)."""
+
+_DIRECTIVES = (".kernel", ".preset", ".alloc", ".sem", ".init")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+_INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)")
+_TOKEN_RE = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s"]+')
+_SPACE_RE = re.compile(r"(?P<space>[A-Za-z_]\w*)(?:\[(?P<core>[^\]]*)\])?")
+_TILE_RE = re.compile(
+    r"(?P<where>[A-Za-z_]\w*(?:\[[^\]]*\])?):(?P<off>[^:\s]+):(?P<dt>[A-Za-z_]\w*)"
+    r"\[\s*(?P<rows>[^,\]\s]+)\s*,\s*(?P<cols>[^\]\s]+)\s*\](?:/(?P<stride>\S+))?"
+)
+_KEYWORD_RE = re.compile(r"([A-Za-z_]\w*)\s*=\s*")
+_ENGINE_RE = re.compile(r"\s*([^\s:;#]+)\s*:")
+_TILE_SYNTAX = "hbm:OFFSET:DTYPE[ROWS,COLS] or sram[CORE]:... / acc[CORE]:..., optionally /STRIDE"
+
+
+@dataclass(frozen=True)
+class _Tok:
+    text: str
+    col: int  # 1-based
+
+
+class _Asm:
+    """One assembly run: the source name for messages, and the raising helper."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, message: str, line: int, col: int | None, hint: str | None = None) -> AssemblyError:
+        return AssemblyError(message, line=line, column=col, source=self.source, hint=hint)
+
+    # --- scalar fields ------------------------------------------------------------------------
+    def integer(self, tok: _Tok, line: int, what: str, *, signed: bool = False) -> int:
+        if not _INT_RE.fullmatch(tok.text) or (not signed and tok.text[0] in "+-"):
+            kind = "an integer" if signed else "a non-negative integer"
+            raise self.error(f"{what} must be {kind} (decimal or 0x hex), got {tok.text!r}", line, tok.col)
+        return _int0(tok.text)
+
+    def name(self, tok: _Tok, line: int, what: str) -> str:
+        if tok.text.startswith('"'):
+            try:
+                value = json.loads(tok.text)
+            except ValueError:
+                value = None
+            if not isinstance(value, str):
+                raise self.error(f"{what} {tok.text} is not a valid quoted name", line, tok.col)
+            return value
+        if not _NAME_RE.fullmatch(tok.text):
+            raise self.error(f"{what} {tok.text!r} is not a name", line, tok.col,
+                             hint='names are [A-Za-z_][A-Za-z0-9_.-]*, or a "quoted string"')
+        return tok.text
+
+    def space(self, tok: _Tok, line: int) -> tuple[Space, int]:
+        m = _SPACE_RE.fullmatch(tok.text)
+        spaces = {s.value: s for s in Space}
+        if not m or m.group("space") not in spaces:
+            word = m.group("space") if m else tok.text
+            close = difflib.get_close_matches(word, list(spaces), n=1)
+            hint = f"did you mean {close[0]}?" if close else "spaces: hbm, sram[CORE], acc[CORE]"
+            raise self.error(f"unknown memory space {word!r}", line, tok.col, hint=hint)
+        space = spaces[m.group("space")]
+        core_text = m.group("core")
+        if space is Space.HBM:
+            if core_text is not None:
+                col = tok.col + m.start("core") - 1
+                raise self.error("hbm is chip-global and takes no [core]", line, col)
+            return space, 0
+        if core_text is None:
+            raise self.error(f"{space.value} is per core: write {space.value}[CORE]", line, tok.col)
+        core = self.integer(_Tok(core_text, tok.col + m.start("core")), line, f"{space.value} core")
+        return space, core
+
+    # --- operand values -----------------------------------------------------------------------
+    def tile(self, tok: _Tok, line: int, what: str) -> Tile:
+        m = _TILE_RE.fullmatch(tok.text)
+        if not m:
+            raise self.error(f"bad tile syntax {tok.text!r} for {what}", line, tok.col,
+                             hint=f"write {_TILE_SYNTAX}")
+
+        def sub(group: str) -> _Tok:
+            return _Tok(m.group(group), tok.col + m.start(group))
+
+        space, core = self.space(sub("where"), line)
+        offset = self.integer(sub("off"), line, f"{what} offset")
+        dt = sub("dt")
+        if dt.text not in DTYPES:
+            close = difflib.get_close_matches(dt.text, list(DTYPES), n=1)
+            raise self.error(f"unknown dtype {dt.text!r} in {what}", line, dt.col,
+                             hint=f"did you mean {close[0]}?" if close else f"dtypes: {', '.join(DTYPES)}")
+        rows = self.integer(sub("rows"), line, f"{what} rows")
+        cols = self.integer(sub("cols"), line, f"{what} cols")
+        stride = self.integer(sub("stride"), line, f"{what} stride") if m.group("stride") is not None else -1
+        try:
+            return Tile(space, core, offset, dt.text, rows, cols, stride)
+        except EmuError as exc:
+            raise self.error(f"{what}: {exc.message}", line, tok.col, hint=exc.hint) from None
+
+    def value(self, op: OperandSpec, spec: InstrSpec, tok: _Tok, line: int,
+              sems: Mapping[str, int | None]) -> Any:
+        what = f"{spec.mnemonic} operand {op.name}"
+        if op.kind == "tile":
+            return self.tile(tok, line, what)
+        if op.kind == "imm":
+            return self.integer(tok, line, what, signed=True)
+        if op.kind == "fimm":
+            try:
+                if any(c.isspace() for c in tok.text) or "_" in tok.text:
+                    raise ValueError
+                return float(tok.text)
+            except ValueError:
+                raise self.error(f"{what} must be a number, got {tok.text!r}", line, tok.col) from None
+        if op.kind == "enum":
+            if tok.text not in op.choices:
+                close = difflib.get_close_matches(tok.text, op.choices, n=1)
+                raise self.error(f"{what} must be one of {', '.join(op.choices)}, got {tok.text!r}", line,
+                                 tok.col, hint=f"did you mean {close[0]}?" if close else None)
+            return tok.text
+        if op.kind == "sem":
+            if _NAME_RE.fullmatch(tok.text):
+                if tok.text not in sems:
+                    close = difflib.get_close_matches(tok.text, [n for n in sems if n], n=1)
+                    raise self.error(f"unknown semaphore {tok.text!r}", line, tok.col,
+                                     hint=f"did you mean {close[0]}?" if close
+                                     else "declare it with `.sem ID NAME`, or write the id")
+                sem_id = sems[tok.text]
+                if sem_id is None:
+                    raise self.error(f"semaphore name {tok.text!r} names more than one id; write the id",
+                                     line, tok.col)
+                return sem_id
+            return self.integer(tok, line, what)
+        raise AssertionError(op.kind)  # pragma: no cover - legality rejects unknown kinds first
+
+
+def _int0(text: str) -> int:
+    # int(text, 0) rejects "007"; allow leading zeros in decimal, the way people pad offsets.
+    sign = -1 if text.startswith("-") else 1
+    body = text.lstrip("+-")
+    return sign * (int(body, 16) if body[:2].lower() == "0x" else int(body, 10))
+
+
+def _strip_comment(line: str) -> str:
+    """The line without its comment (';' or '#' outside double quotes)."""
+    in_quote = escaped = False
+    for i, ch in enumerate(line):
+        if in_quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_quote = False
+        elif ch == '"':
+            in_quote = True
+        elif ch in ";#":
+            return line[:i]
+    return line
+
+
+def _tokens(text: str, start: int = 0) -> list[_Tok]:
+    return [_Tok(m.group(), start + m.start() + 1) for m in _TOKEN_RE.finditer(text)]
+
+
+def _split_operands(text: str, start: int, line: int, asm: _Asm) -> list[_Tok]:
+    """Split on commas outside [brackets]; each piece stripped, with its 1-based column."""
+    pieces, depth, begin = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth = max(depth - 1, 0)
+        elif ch == "," and depth == 0:
+            raw = text[begin:i]
+            stripped = raw.strip()
+            col = start + begin + (len(raw) - len(raw.lstrip())) + 1
+            if not stripped:
+                if i == len(text) and not pieces and not text.strip():
+                    break  # no operands at all
+                raise asm.error("empty operand (two commas in a row, or a comma at the end)", line,
+                                start + min(i, len(text) - 1) + 1)
+            pieces.append(_Tok(stripped, col))
+            begin = i + 1
+    return pieces
+
+
+def _signature(spec: InstrSpec) -> str:
+    return ", ".join(op.name if not op.optional else f"[{op.name}=]" for op in spec.operands)
+
+
+def _default_name(source: str) -> str:
+    stem = PurePath(source).stem if not source.startswith("<") else ""
+    return stem or "kernel"
+
+
+def assemble(text: str, *, source: str = "<asm>") -> Program:
+    """Assemble ``.jasm`` text (syntax in this module's docstring) into a checked Program.
+
+    Args:
+        text: the assembly source.
+        source: the file name, used in messages and in each instruction's ``source``
+            ("FILE:LINE").
+
+    Returns:
+        The Program; every instruction is legal (``check_instruction``) and canonical (all
+        operands present, in table order).
+
+    Raises:
+        AssemblyError: with line, 1-based column and a hint.
+
+    >>> p = assemble("c0.mxu: sem.signal 3")
+    >>> p.instructions[0].args, p.instructions[0].source
+    ((('sem', 3), ('count', 1)), '<asm>:1')
+    """
+    asm = _Asm(source)
+    directives: list[tuple[int, list[_Tok]]] = []
+    statements: list[tuple[int, str]] = []  # line number, code without its comment
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        code = _strip_comment(raw).rstrip()
+        if not code.strip():
+            continue
+        if code.lstrip().startswith("."):
+            directives.append((lineno, _tokens(code)))
+        else:
+            statements.append((lineno, code))
+
+    name: str | None = None
+    preset: str | None = None
+    allocations: list[Allocation] = []
+    alloc_keys: dict[tuple[str, Space, int], int] = {}
+    sems: list[tuple[int, str]] = []
+    sem_lines: dict[int, int] = {}
+    sem_names: dict[str, int | None] = {}  # None: the name is on several ids (ambiguous)
+    init_lines: list[tuple[int, _Tok, HbmInit]] = []
+    for lineno, toks in directives:
+        head, args = toks[0], toks[1:]
+        if head.text not in _DIRECTIVES:
+            close = difflib.get_close_matches(head.text, _DIRECTIVES, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"directives: {', '.join(_DIRECTIVES)}"
+            raise asm.error(f"unknown directive {head.text!r}", lineno, head.col, hint=hint)
+        shapes = {".kernel": ("NAME",), ".preset": ("NAME",), ".alloc": ("SPACE", "NAME", "OFFSET", "SIZE"),
+                  ".sem": ("ID", "NAME"), ".init": ("NAME", "KIND", "DTYPE", "[SEED]")}[head.text]
+        need = sum(1 for s in shapes if not s.startswith("["))
+        if not need <= len(args) <= len(shapes):
+            col = args[len(shapes)].col if len(args) > len(shapes) else head.col
+            raise asm.error(f"{head.text} takes {' '.join(shapes)}; got {len(args)} field"
+                            f"{'' if len(args) == 1 else 's'}", lineno, col)
+        if head.text in (".kernel", ".preset"):
+            if (name if head.text == ".kernel" else preset) is not None:
+                raise asm.error(f"second {head.text} directive", lineno, head.col,
+                                hint=f"a file has one {head.text}")
+            value = asm.name(args[0], lineno, f"{head.text[1:]} name")
+            if head.text == ".kernel":
+                name = value
+            else:
+                preset = value
+        elif head.text == ".alloc":
+            space, core = asm.space(args[0], lineno)
+            a_name = asm.name(args[1], lineno, "allocation name")
+            offset = asm.integer(args[2], lineno, "allocation offset")
+            size = asm.integer(args[3], lineno, "allocation size")
+            for tok, value in ((args[2], offset), (args[3], size)):
+                if value > 2**64 - 1:  # the binary format's field width
+                    raise asm.error(f"{value} does not fit in 64 bits", lineno, tok.col)
+            key = (a_name, space, core)
+            if key in alloc_keys:
+                raise asm.error(f"duplicate allocation name {a_name!r} in {args[0].text}", lineno,
+                                args[1].col, hint=f"first allocated on line {alloc_keys[key]}")
+            alloc_keys[key] = lineno
+            allocations.append(Allocation(a_name, space, core, offset, size))
+        elif head.text == ".sem":
+            sem_id = asm.integer(args[0], lineno, "semaphore id")
+            if sem_id > 2**32 - 1:
+                raise asm.error(f"semaphore id {sem_id} does not fit in 32 bits", lineno, args[0].col)
+            s_name = asm.name(args[1], lineno, "semaphore name")
+            if sem_id in sem_lines:
+                raise asm.error(f"semaphore {sem_id} is already named on line {sem_lines[sem_id]}", lineno,
+                                args[0].col)
+            sem_lines[sem_id] = lineno
+            sem_names[s_name] = None if s_name in sem_names else sem_id
+            sems.append((sem_id, s_name))
+        else:  # .init
+            i_name = asm.name(args[0], lineno, "init name")
+            if args[1].text not in INIT_KINDS:
+                raise asm.error(f"init kind {args[1].text!r} is not one of {', '.join(INIT_KINDS)}", lineno,
+                                args[1].col)
+            if args[2].text not in DTYPES:
+                close = difflib.get_close_matches(args[2].text, list(DTYPES), n=1)
+                raise asm.error(f"unknown dtype {args[2].text!r}", lineno, args[2].col,
+                                hint=f"did you mean {close[0]}?" if close else f"dtypes: {', '.join(DTYPES)}")
+            seed = asm.integer(args[3], lineno, "seed", signed=True) if len(args) > 3 else 0
+            if not -(2**63) <= seed < 2**63:
+                raise asm.error(f"seed {seed} does not fit in 64 bits", lineno, args[3].col)
+            init_lines.append((lineno, args[0], HbmInit(i_name, args[1].text, args[2].text, seed)))
+
+    hbm_names = {a.name for a in allocations if a.space is Space.HBM}
+    seen_inits: dict[str, int] = {}
+    for lineno, tok, init in init_lines:
+        if init.name not in hbm_names:
+            raise asm.error(f".init names {init.name!r}, which is not an HBM allocation", lineno, tok.col,
+                            hint="declare it first with `.alloc hbm NAME OFFSET SIZE`")
+        if init.name in seen_inits:
+            raise asm.error(f"second .init for {init.name!r}", lineno, tok.col,
+                            hint=f"the first is on line {seen_inits[init.name]}")
+        seen_inits[init.name] = lineno
+
+    instructions = [_instruction(asm, lineno, code, sem_names, index)
+                    for index, (lineno, code) in enumerate(statements)]
+    return Program(
+        name if name is not None else _default_name(source),
+        tuple(instructions),
+        tuple(allocations),
+        preset if preset is not None else "tiny",
+        tuple(sems),
+        tuple(i for _, _, i in init_lines),
+    )
+
+
+def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | None],
+                 index: int) -> Instruction:
+    """Parse and check one ``ENGINE: MNEMONIC OPERANDS`` line."""
+    indent = len(code) - len(code.lstrip())
+    m = _ENGINE_RE.match(code)
+    if not m:
+        first = code.split()[0]
+        try:
+            parse_engine(first)
+            raise asm.error(f"missing ':' after the engine {first}", lineno, indent + len(first) + 1,
+                            hint="write `ENGINE: MNEMONIC OPERANDS`")
+        except IllegalInstruction:
+            pass  # not an engine either: say what a statement looks like
+        if by_mnemonic(first):
+            raise asm.error(f"{first} needs an engine in front", lineno, indent + 1,
+                            hint=f"write e.g. `c0.{_unit_example(by_mnemonic(first))}: {first} ...`")
+        raise asm.error(f"expected `ENGINE: MNEMONIC OPERANDS` or a directive, got {first!r}", lineno,
+                        indent + 1)
+    engine_text = m.group(1)
+    try:
+        engine = parse_engine(engine_text)
+    except IllegalInstruction:
+        raise asm.error(f"unknown engine {engine_text!r}", lineno, m.start(1) + 1,
+                        hint="engines are c<core>.dma<queue>, c<core>.mxu, c<core>.vpu and link") from None
+    rest = code[m.end():]
+    mm = re.match(r"\s*(\S+)", rest)
+    if not mm:
+        raise asm.error(f"missing mnemonic after {engine_text}:", lineno, m.end() + 1)
+    mnemonic, mn_col = mm.group(1), m.end() + mm.start(1) + 1
+    spec = by_mnemonic(mnemonic)
+    if spec is None:
+        close = difflib.get_close_matches(mnemonic, [s.mnemonic for s in TABLE], n=3)
+        raise asm.error(f"unknown mnemonic {mnemonic!r}", lineno, mn_col,
+                        hint=f"did you mean {' or '.join(close)}?" if close else "see isa/README.md")
+    ops_start = m.end() + mm.end()
+    pieces = _split_operands(code[ops_start:], ops_start, lineno, asm)
+
+    # Positionals fill the required operands first, then the optional ones, each in table order.
+    positional_order = sorted(spec.operands, key=lambda op: op.optional)
+    values: dict[str, Any] = {}
+    cols: dict[str, int] = {}
+    n_positional = 0
+    seen_keyword = False
+    for tok in pieces:
+        kw = _KEYWORD_RE.match(tok.text)
+        if kw:
+            seen_keyword = True
+            op_name = kw.group(1)
+            names = [op.name for op in spec.operands]
+            if op_name not in names:
+                close = difflib.get_close_matches(op_name, names, n=1)
+                hint = f"did you mean {close[0]}?" if close else f"{mnemonic} takes {_signature(spec)}"
+                raise asm.error(f"{mnemonic} has no operand {op_name!r}", lineno, tok.col, hint=hint)
+            op = spec.operand(op_name)
+            value_tok = _Tok(tok.text[kw.end():], tok.col + kw.end())
+            if not value_tok.text:
+                raise asm.error(f"{op_name}= needs a value", lineno, tok.col)
+        else:
+            if seen_keyword:
+                raise asm.error("positional operand after a name=value operand", lineno, tok.col,
+                                hint=f"{mnemonic} takes {_signature(spec)}")
+            if n_positional >= len(positional_order):
+                n = len(spec.operands)
+                raise asm.error(f"{mnemonic} takes {n} operand{'' if n == 1 else 's'} ({_signature(spec)}); "
+                                f"got {len(pieces)}", lineno, tok.col)
+            op = positional_order[n_positional]
+            n_positional += 1
+            value_tok = tok
+        if op.name in values:
+            raise asm.error(f"{mnemonic} operand {op.name} is given twice", lineno, tok.col)
+        values[op.name] = asm.value(op, spec, value_tok, lineno, sems)
+        cols[op.name] = tok.col
+    missing = [op.name for op in spec.operands if not op.optional and op.name not in values]
+    if missing:
+        plural = "s" if len(missing) > 1 else ""
+        raise asm.error(f"{mnemonic} is missing operand{plural} {', '.join(missing)} "
+                        f"(got {len(pieces)} of {len(spec.operands)})", lineno,
+                        pieces[-1].col + len(pieces[-1].text) if pieces else mn_col,
+                        hint=f"{mnemonic} takes {_signature(spec)}")
+    args = tuple((op.name, values.get(op.name, op.default)) for op in spec.operands)
+    ins = Instruction(mnemonic, engine, args, f"{asm.source}:{lineno}")
+    try:
+        check_instruction(ins, index=index)
+    except IllegalInstruction as exc:
+        col = cols.get(getattr(exc, "operand", None) or "", indent + 1)
+        # The line and column replace the "instruction #i on engine" prefix; keep the addresses.
+        message = getattr(exc, "reason", exc.message)
+        if exc.addresses:
+            message += f" [{', '.join(exc.addresses)}]"
+        raise asm.error(message, lineno, col, hint=exc.hint) from None
+    return ins
+
+
+def _unit_example(spec: InstrSpec | None) -> str:
+    unit = spec.unit if spec else "mxu"
+    return {"dma": "dma0", "any": "mxu"}.get(unit, unit) if unit != "link" else "link"
+
+
+# --- disassembly ---------------------------------------------------------------------------
+
+
+def _name(text: str) -> str:
+    # ensure_ascii: a raw U+2028 or U+0085 in a name would split the line when read back.
+    return text if _NAME_RE.fullmatch(text) else json.dumps(text)
+
+
+def _where(space: Space, core: int) -> str:
+    return "hbm" if space is Space.HBM else f"{space.value}[{core}]"
+
+
+def format_tile(tile: Tile) -> str:
+    """A tile in assembly syntax; ``/STRIDE`` whenever the stride is not the packed row size.
+
+    (``str(Tile)`` leaves the stride out of single-row tiles, which would not round-trip.)
+    """
+    text = f"{_where(tile.space, tile.core)}:{tile.offset:#x}:{tile.dtype}[{tile.rows},{tile.cols}]"
+    return text if tile.stride == tile.row_bytes else f"{text}/{tile.stride}"
+
+
+def _value(op: OperandSpec, value: Any, sem_names: Mapping[int, str]) -> str:
+    if op.kind == "tile":
+        return format_tile(value)
+    if op.kind == "fimm":
+        return repr(float(value))
+    if op.kind == "sem":
+        return sem_names.get(value, str(int(value)))
+    return str(value) if op.kind == "enum" else str(int(value))
+
+
+def format_instruction(ins: Instruction, *, sem_names: Mapping[int, str] | None = None,
+                       width: int = 0) -> str:
+    """One instruction as an assembly line (no comment), e.g. ``c0.mxu: sem.signal 3``.
+
+    Required operands are positional; optional ones are ``name=value`` and left out when equal
+    to their default (absent tiles are left out).
+
+    Args:
+        ins: the instruction (need not be canonical).
+        sem_names: semaphore ids to print by name (only names that assemble back unambiguously).
+        width: pad ``ENGINE:`` to this many characters, to line mnemonics up.
+
+    Raises:
+        IllegalInstruction: the instruction's operands are not of the kinds its row expects.
+    """
+    spec, values = operand_values(ins, domains=False)
+    sem_names = sem_names or {}
+    parts = []
+    for op in spec.operands:
+        value = values[op.name]
+        if not op.optional:
+            parts.append(_value(op, value, sem_names))
+        elif value is not None and value != op.default:
+            parts.append(f"{op.name}={_value(op, value, sem_names)}")
+    head = f"{ins.engine}:".ljust(width)
+    return f"{head} {spec.mnemonic}" + (f" {', '.join(parts)}" if parts else "")
+
+
+def disassemble(program: Program) -> str:
+    """The Program as assembly text that :func:`assemble` turns back into an equal Program.
+
+    Directives for the name, preset, allocations, semaphore names and inits come first, then one
+    line per instruction, with its ``source`` as a comment when it has one. Builder-made programs
+    disassemble too. (Instruction ``source`` strings and ``Program.meta`` do not round-trip.)
+    """
+    lines = [f"; {_name(program.name)}: {len(program.instructions)} instructions (jalapeno-emu disassembly)",
+             f".kernel {_name(program.name)}", f".preset {_name(program.preset)}"]
+    lines += [f".alloc {_where(a.space, a.core)} {_name(a.name)} {a.offset:#x} {a.nbytes}"
+              for a in program.allocations]
+    lines += [f".sem {sem_id} {_name(name)}" for sem_id, name in program.semaphores]
+    for init in program.inits:
+        seed = f" {init.seed}" if init.seed or init.kind == "normal" else ""
+        lines.append(f".init {_name(init.name)} {init.kind} {init.dtype}{seed}")
+    # Print a semaphore by name only when the name is bare and names exactly one id.
+    counts: dict[str, int] = {}
+    for _, name in program.semaphores:
+        counts[name] = counts.get(name, 0) + 1
+    sem_names = {i: n for i, n in program.semaphores if counts[n] == 1 and _NAME_RE.fullmatch(n)}
+    width = max((len(str(ins.engine)) + 1 for ins in program.instructions), default=0)
+    for ins in program.instructions:
+        text = format_instruction(ins, sem_names=sem_names, width=width)
+        one_line = ins.source and ins.source.splitlines() == [ins.source]
+        lines.append(f"{text}  ; {ins.source}" if one_line else text)
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,148 @@
+"""``jalapeno-emu asm`` and ``jalapeno-emu disasm``: assembly text <-> the binary program format.
+
+``asm FILE.jasm -o FILE.bin`` assembles, checks every instruction against the ISA table and
+writes the encoding; ``disasm FILE.bin [-o FILE.jasm]`` turns a binary back into assembly. Both
+write their output atomically (a temporary file in the same directory, then a rename), so a
+failed run leaves no partial file behind. Bad input is one ``error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from jalapeno_emu.cli.app import App
+from jalapeno_emu.errors import AssemblyError, InvalidArgumentError
+from jalapeno_emu.isa.asm import assemble, disassemble, format_instruction
+from jalapeno_emu.isa.encoding import MAGIC, decode_program, encode_program
+from jalapeno_emu.isa.legality import check_program
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``asm`` and ``disasm`` commands."""
+    p = sub.add_parser("asm", help="assemble a .jasm file into the binary program format")
+    p.add_argument("file", metavar="FILE.jasm", help="assembly source")
+    p.add_argument("-o", "--output", metavar="FILE.bin",
+                   help="where to write the binary (default: FILE with the suffix .bin)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(run=run_asm)
+
+    d = sub.add_parser("disasm", help="disassemble a binary program into assembly text")
+    d.add_argument("file", metavar="FILE.bin", help="binary written by `jalapeno-emu asm`")
+    d.add_argument("-o", "--output", metavar="FILE.jasm", help="write the assembly here instead of stdout")
+    d.add_argument("--json", action="store_true", help="print the instructions as JSON")
+    d.set_defaults(run=run_disasm)
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes; a missing file or a directory is one readable error."""
+    if not path.exists():
+        raise InvalidArgumentError(f"{path}: no such file")
+    if path.is_dir():
+        raise InvalidArgumentError(f"{path}: is a directory, not a file")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
+
+    Same directory: a rename is atomic only within one filesystem, and readers then see either
+    the old file or the whole new one.
+    """
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise InvalidArgumentError(f"{path}: directory {directory} does not exist")
+    if path.is_dir():
+        raise InvalidArgumentError(f"{path}: is a directory; give a file name with -o")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InvalidArgumentError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise InvalidArgumentError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def run_asm(app: App, args: argparse.Namespace) -> int:
+    """Assemble, check and encode one file."""
+    src = Path(args.file)
+    data = _read(src)
+    if data.startswith(MAGIC):
+        raise AssemblyError("this is a jalapeno-emu binary, not assembly text", source=str(src),
+                            hint="use `jalapeno-emu disasm` on it")
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise AssemblyError(f"byte {nul} is NUL: this is a binary file, not assembly text", source=str(src))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AssemblyError(f"byte {exc.start} is not UTF-8: this is not assembly text",
+                            source=str(src)) from None
+    program = assemble(text, source=str(src))
+    check_program(program)  # assemble checks each line; this also covers the whole-program checks
+    blob = encode_program(program)
+    out = Path(args.output) if args.output else src.with_suffix(".bin")
+    if _same_file(out, src):
+        raise InvalidArgumentError(f"{out}: the output would overwrite the input; choose another -o")
+    _write_atomically(out, blob)
+    if app.json_output:
+        app.emit_json("asm", {"kernel": program.name, "instructions": len(program.instructions),
+                              "bytes": len(blob), "output": str(out)})
+    else:
+        app.console.print(f"wrote {out}: {len(program.instructions)} instructions, {len(blob)} bytes",
+                          markup=False, soft_wrap=True)
+    return 0
+
+
+def run_disasm(app: App, args: argparse.Namespace) -> int:
+    """Decode one binary and print or write its assembly."""
+    src = Path(args.file)
+    program = decode_program(_read(src), source=str(src))
+    text = disassemble(program)
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        if _same_file(out, src):
+            raise InvalidArgumentError(f"{out}: the output would overwrite the input; choose another -o")
+        _write_atomically(out, text.encode("utf-8"))
+    if app.json_output:
+        sems = dict(program.semaphores)
+        app.emit_json("disasm", {
+            "kernel": program.name,
+            "preset": program.preset,
+            "output": str(out) if out is not None else None,
+            "instructions": [
+                {"index": i, "engine": str(ins.engine), "mnemonic": ins.mnemonic,
+                 "text": format_instruction(ins, sem_names=sems),
+                 "source": ins.source}
+                for i, ins in enumerate(program.instructions)
+            ],
+        })
+    elif out is None:
+        sys.stdout.write(text)  # not through rich: its markup would eat the "[c0]"-like brackets
+    else:
+        app.console.print(f"wrote {out}: {len(program.instructions)} instructions", markup=False,
+                          soft_wrap=True)
+    return 0

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from rich.markup import escape
 
 from jalapeno_emu import __version__
-from jalapeno_emu.cli import asm, chip, demo
+from jalapeno_emu.cli import asm, bench, chip, demo, run
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.errors import EmuError
 
-COMMANDS = (demo, chip, asm)
+COMMANDS = (demo, chip, asm, run, bench)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # otherwise take for markup tags and silently drop.
         app.err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", markup=True, soft_wrap=True)
         return exc.code if isinstance(exc, Abort) else 2
+    except OSError as exc:  # unreadable input, unwritable output: the user's to fix, not a bug
+        where = f"{exc.filename}: " if exc.filename else ""
+        app.err_console.print(f"[bold red]error:[/bold red] {escape(where + (exc.strerror or str(exc)))}",
+                              markup=True, soft_wrap=True)
+        return 2
     except KeyboardInterrupt:
         app.err_console.print("interrupted")
         return 130

@@ -23,7 +23,6 @@ import itertools
 from collections import defaultdict
 
 import numpy as np
-from jalapeno_emu.isa.table import Space
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
@@ -35,6 +34,7 @@ from jalapeno_emu.errors import (
     Race,
     UninitializedRead,
 )
+from jalapeno_emu.isa.table import Space
 
 __all__ = ["check_program", "tiles_overlap"]
 

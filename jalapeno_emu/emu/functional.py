@@ -375,6 +375,27 @@ def _to_bytes(value: Any, dtype: str | None) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(value).astype(np_dt)).view(np.uint8).reshape(-1)
 
 
+_ML_DTYPES = {"fp4": ml_dtypes.float4_e2m1fn, "fp8e4": ml_dtypes.float8_e4m3fn,
+              "fp8e5": ml_dtypes.float8_e5m2}
+
+
+def _init_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Bytes of an ``.init`` fill: the values as elements of ``dtype``.
+
+    MX element dtypes take each value rounded to the element format (scale 2^0); E8M0 scales
+    take the power of two nearest each value's magnitude, kept within 2^-2..2^2 for "normal"
+    fills, so "ones" is the scale 2^0 (byte 127) and "zeros" the smallest scale (byte 0).
+    """
+    if dtype in _ML_DTYPES:
+        codes = values.astype(_ML_DTYPES[dtype]).view(np.uint8)
+        return _to_bytes(codes.reshape(1, -1), dtype) if dtype == "fp4" else codes
+    if dtype == "e8m0":
+        with np.errstate(divide="ignore"):
+            exp = np.clip(np.round(np.log2(np.abs(values))), -2, 2)
+        return np.where(values == 0, 0, 127 + np.nan_to_num(exp)).astype(np.uint8)
+    return _to_bytes(values, dtype)
+
+
 def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str, Any],
                      debug: bool) -> dict[str, np.ndarray]:
     fill = 0xFF if debug else 0
@@ -388,7 +409,7 @@ def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str
             vals = np.random.default_rng(init.seed).standard_normal(count).astype(np.float32)
         else:
             vals = np.full(count, 1.0 if init.kind == "ones" else 0.0, np.float32)
-        data = _to_bytes(vals.reshape(1, -1) if init.dtype == "fp4" else vals, init.dtype)
+        data = _init_bytes(vals, init.dtype)
         bufs[f"hbm:{alloc.name}"][: data.size] = data
     for name, value in inputs.items():
         if isinstance(value, MXArray):

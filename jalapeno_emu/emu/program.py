@@ -11,9 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jalapeno_emu.isa.table import DTYPES, DType, InstrSpec, Space, by_mnemonic
-
 from jalapeno_emu.errors import IllegalInstruction
+from jalapeno_emu.isa.table import DTYPES, DType, InstrSpec, Space, by_mnemonic
 
 __all__ = [
     "Allocation",

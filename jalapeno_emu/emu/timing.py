@@ -1,0 +1,381 @@
+"""The timing pass: how long a Program takes on one die. The single source of truth for time.
+
+Stage: emulator, beside the functional pass; both read the same static ``Program``. The timing
+pass never reads data (a Program carries none), so it times full-size kernels: the rack model and
+every report get their per-die times from here.
+
+How it works: each engine is an in-order queue with its own clock; an event heap holds the time
+each engine can next act. Instructions whose effect others see or that share a resource (DMA
+issue, signals, barriers, links) are processed in global time order, ties broken by program
+order; matmuls, vector operations and waits touch nothing another engine reads, so an engine runs
+through them ahead of the global clock without a heap round trip (a wait that is not yet
+satisfied parks the engine until the signal that satisfies it). Every instruction's static cost
+(cycles, bytes per HBM pseudo-channel) is computed in bulk beforehand (``costs.py``); the loop
+only does the arithmetic that depends on other engines. No per-cycle loops anywhere. All
+parameters come from the ``ChipSpec``.
+
+Cost models (times in seconds):
+
+- **DMA** (``dma.load/store/copy/gather``): a descriptor is issued by its queue, pays
+  ``dma.setup_latency_s``, then moves its bytes. A queue issues its next descriptor right away
+  while fewer than ``dma.max_outstanding_per_queue`` are in flight, so streaming hides setup.
+  HBM side: ``hbm_map`` splits the bytes over pseudo-channels; each pseudo-channel serves at
+  ``bytes_per_s_per_pseudo_channel * efficiency`` in **FIFO order** (each channel keeps a
+  "free at" time; a transfer's share starts when it arrives or when the channel finishes the
+  transfers before it). FIFO rather than processor sharing because it is work-conserving, so
+  bandwidth, channel utilisation and the end of a stream are the same as under fair sharing,
+  while a transfer's end is known the moment it is issued (O(channels) once, instead of
+  re-rating every transfer in flight at every arrival and departure); what differs is which of
+  two concurrent transfers finishes first: a small transfer queued behind a large one waits for
+  it, where under sharing it would finish early (so a kernel should issue first what it needs
+  first, as it would on hardware with in-order queues). Core side: all queues of a core share
+  ``dma.bytes_per_s_per_core``, also FIFO. The transfer ends when both sides are done, plus
+  ``hbm.latency_s`` once. ``dma.copy`` (SRAM to SRAM) uses no HBM: its core port runs at
+  min(``dma.bytes_per_s_per_core``, ``sram.bytes_per_cycle * core.clock_hz``).
+  ``dma.gather``'s row indices are data, which the timing pass never sees: it assumes rows
+  0..n-1 of the source (n = dst.rows) at the source's stride. Each row is its own descriptor;
+  the queue keeps up to ``max_outstanding_per_queue`` of them in flight, so a gather of n rows
+  pays ``ceil(n / max_outstanding) * (setup + HBM latency)`` of fixed cost.
+- **Matrix unit** (``mxu.matmul``): ``issue_overhead + ceil(M/tile_m)*ceil(N/tile_n)*
+  ceil(K/tile_k) * tile_m*tile_n*tile_k / macs_per_cycle`` cycles at the MXFP4 rate when both
+  operands are fp4, BF16 when either is bf16, MXFP8 otherwise; plus ``pipeline_depth_cycles``
+  unless the matmul starts exactly when the previous matmul on that unit ended (back-to-back
+  matmuls stream through the pipe). FLOPs are 2*M*N*K.
+- **Vector unit**: ``issue_overhead + ceil(elements / rate)`` cycles, elements = the source
+  tile's rows*cols (times ceil(log2(k+1)) for top-k, twice for quantize), rate = ``lanes``, or
+  ``transcendental_elements_per_cycle`` for exp/rsqrt/sigmoid/silu/recip.
+- **Semaphores**: ``sem.signal`` takes effect (adds its count) once every earlier instruction of
+  its engine has completed, in-flight DMA transfers included; it takes no engine time of its own.
+  ``sem.wait`` ends ``sync.semaphore_latency_cycles`` after the signal that brought the count to
+  its value (at once if that is already past). ``barrier`` releases everyone
+  ``sync.barrier_latency_cycles`` after the last of ``count`` engines arrived (each id is used
+  once; later arrivals pass). Barriers and waits do not wait for a queue's in-flight DMAs; only
+  signals do.
+- **Link** (``link.send/recv``): alpha-beta, ``link.latency_s + bytes / link.bytes_per_s_per_direction``
+  on the link engine; on one chip a ``link.recv`` ends when the matching ``link.send`` (same
+  peer and tag, in order) has delivered (loopback).
+- **Launch**: ``sync.kernel_launch_s`` is added once to the kernel's time (``Timeline.time_s``).
+
+When no event is left and instructions remain, the program deadlocks: ``Deadlock`` names every
+blocked engine and what it waits on.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections import defaultdict
+
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.costs import BARRIER, COPY, HBM, MXU, SEND, SIGNAL, VEC, WAIT, StaticCosts
+from jalapeno_emu.emu.program import Engine, Program
+from jalapeno_emu.emu.schedule import _deadlock
+from jalapeno_emu.emu.timeline import Timeline
+from jalapeno_emu.errors import InvalidArgumentError
+
+__all__ = ["run_timing"]
+
+
+def _check_fits(engines: tuple[Engine, ...], spec: ChipSpec, program: Program) -> None:
+    """Raise if the program uses a core or DMA queue the chip does not have."""
+    for eng in engines:
+        if eng.unit == "link":
+            continue
+        if eng.core >= spec.core.count or (eng.unit == "dma" and eng.queue >= spec.dma.queues_per_core):
+            raise InvalidArgumentError(
+                f"program {program.name!r} uses engine {eng}, which {spec.name} does not have "
+                f"({spec.core.count} cores, {spec.dma.queues_per_core} DMA queues each)",
+                hint=f"time it on the chip it was built for ({program.preset!r}) or rebuild it")
+
+
+def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
+    """Time ``program`` on the chip ``spec`` (timing only: no data is read or allocated).
+
+    Args:
+        program: a recorded kernel (builder or assembler); any size, since nothing is allocated.
+        spec: the chip (a ChipSpec, or a preset name); every cost parameter comes from it (see
+            the module docstring).
+
+    Returns:
+        A ``Timeline``: per-instruction start/end in seconds from the kernel's start, per-engine
+        busy time, bytes per HBM pseudo-channel, FLOPs per format and ``summary()``.
+
+    Raises:
+        Deadlock: engines wait on semaphores, barriers or link receives that can never happen;
+            the message names each blocked engine and what it waits for.
+        InvalidArgumentError: the program uses a core or DMA queue the chip does not have.
+
+    >>> from jalapeno_emu.chip import load_preset
+    >>> from jalapeno_emu.isa.builder import KernelBuilder
+    >>> kb = KernelBuilder("copy", chip="tiny")
+    >>> x, buf = kb.hbm("x", (64, 256), "f32"), kb.sram(0, "buf", (64, 256), "f32")
+    >>> _ = kb.core(0).dma[0].load(buf, x)
+    >>> tl = run_timing(kb.build(), load_preset("tiny"))
+    >>> round(tl.summary()["time_s"] * 1e6, 2)  # launch 2 us + setup 1 us + 64 KiB + HBM 0.5 us
+    4.05
+    """
+    if isinstance(spec, str):
+        spec = load_preset(spec)
+    st = StaticCosts(program, spec)
+    engines, streams = st.facts.engines, st.facts.streams
+    _check_fits(engines, spec, program)
+    n = len(program.instructions)
+    n_eng = len(engines)
+    clock = spec.core.clock_hz
+    setup = spec.dma.setup_latency_s
+    hbm_lat = spec.hbm.latency_s
+    max_out = spec.dma.max_outstanding_per_queue
+    fill_s = spec.matrix.pipeline_depth_cycles / clock
+    sem_lat = spec.sync.semaphore_latency_cycles / clock
+    bar_lat = spec.sync.barrier_latency_cycles / clock
+
+    kind, dur, extra, chan, a1, a2 = st.kind, st.dur, st.extra, st.chan, st.a1, st.a2
+    starts = [0.0] * n
+    ends = [0.0] * n
+    pred = [-1] * n
+    fills: list[int] = []  # matmuls that paid the pipeline fill
+    head = [0] * n_eng
+    gate = [-1] * n_eng  # per engine: the instruction whose end made it ready (critical path)
+    outstanding: list[list] = [[] for _ in range(n_eng)]  # DMA queues: heap of (end, index)
+    last_mm = [-1.0] * n_eng
+    core_free: dict[int, float] = defaultdict(float)
+    chan_free = np.zeros(spec.hbm.pseudo_channels, dtype=np.float64)
+    floor = 0.0  # no pseudo-channel is free before this time
+    np_maximum, np_add, max_reduce, take = np.maximum, np.add, np.maximum.reduce, chan_free.take
+    n_sem = len(st.facts.semaphore_ids)  # semaphores are numbered 0..n_sem-1 here
+    sem_count = [0] * n_sem
+    sem_hist = [([], [], []) for _ in range(n_sem)]  # (counts, times, signal index) per signal
+    waiters: list[list] = [[] for _ in range(n_sem)]  # heap of (value, seq, engine, t, index)
+    arrived: dict[int, list] = defaultdict(list)  # barrier -> [(engine, t, index)]
+    released: dict[int, tuple[float, int]] = {}
+    sends: dict = defaultdict(list)  # link key -> [(delivered, index)]
+    recvs_done: dict = defaultdict(int)
+    recv_waiting: dict = defaultdict(list)
+    heappush, heappop = heapq.heappush, heapq.heappop
+
+    # At equal times engines act in the order of their first instruction in the program (so a
+    # load issued first also queues first for bandwidth), then in the order they became ready.
+    heap = [(0.0, streams[e][0], e) for e in range(n_eng)]
+    heapq.heapify(heap)
+    seq = n
+    while heap:
+        t, _, e = heappop(heap)
+        stream = streams[e]
+        h = head[e]
+        n_stream = len(stream)
+        while h < n_stream:
+            i = stream[h]
+            k = kind[i]
+            if k <= VEC:  # matrix or vector unit: busy for its duration
+                end = t + dur[i]
+                if k == MXU:
+                    if t != last_mm[e]:
+                        end += fill_s
+                        fills.append(i)
+                    last_mm[e] = end
+                starts[i] = t
+                ends[i] = end
+                pred[i] = gate[e]
+                gate[e] = i
+                h += 1
+                t = end
+                continue
+            if k == WAIT:
+                s = a1[i]
+                if sem_count[s] < a2[i]:  # blocked: the signal that satisfies it wakes us
+                    heappush(waiters[s], (a2[i], seq, e, t, i))
+                    seq += 1
+                    break
+                # Every signal at or before the global clock is processed, and this engine's
+                # clock t is not behind it, so the history has the earliest time the count
+                # reached the value.
+                hist = sem_hist[s]
+                j = bisect_left(hist[0], a2[i])
+                ready = hist[1][j] + sem_lat
+                starts[i] = t
+                h += 1
+                if ready > t:
+                    ends[i] = ready
+                    pred[i] = hist[2][j]
+                    gate[e] = i
+                    t = ready
+                else:
+                    ends[i] = t
+                    pred[i] = gate[e]
+                continue
+            if heap and heap[0][0] < t:  # a global action, and someone else acts first
+                heappush(heap, (t, seq, e))
+                seq += 1
+                break
+            if k <= COPY:
+                out = outstanding[e]
+                while out and out[0][0] <= t:
+                    heappop(out)
+                if len(out) >= max_out:  # queue full: retry when its oldest transfer lands
+                    t2, gate[e] = out[0]
+                    heappush(heap, (t2, seq, e))
+                    seq += 1
+                    break
+                arrive = t + setup
+                c = a1[i]
+                end = core_free[c]
+                end = (end if end > arrive else arrive) + dur[i]
+                core_free[c] = end
+                if k == HBM:
+                    dt, touched, dt_min = chan[i]
+                    # Every channel becomes free no earlier than `arrive`: harmless for channels
+                    # this transfer does not touch, since later arrivals come no earlier. `floor`
+                    # is a lower bound of every channel's free time, so when the channels are
+                    # backlogged (streaming) this step is skipped.
+                    if arrive > floor:
+                        np_maximum(chan_free, arrive, out=chan_free)
+                        floor = arrive
+                    np_add(chan_free, dt, out=chan_free)
+                    if touched is None:
+                        floor += dt_min
+                        hf = float(max_reduce(chan_free))
+                    else:
+                        hf = float(max_reduce(take(touched)))
+                    end = (end if end > hf else hf) + hbm_lat + extra[i]
+                heappush(out, (end, i))
+                starts[i] = t
+                ends[i] = end
+                pred[i] = gate[e]
+                h += 1
+            elif k == SIGNAL:
+                out = outstanding[e]
+                if out:  # a DMA queue: the signal waits for every transfer in flight
+                    while out and out[0][0] <= t:
+                        heappop(out)
+                    if out:
+                        t2, gate[e] = max(out)
+                        heappush(heap, (t2, seq, e))
+                        seq += 1
+                        break
+                s = a1[i]
+                cnt = sem_count[s] + a2[i]
+                sem_count[s] = cnt
+                hist = sem_hist[s]
+                hist[0].append(cnt)
+                hist[1].append(t)
+                hist[2].append(i)
+                starts[i] = ends[i] = t
+                pred[i] = gate[e]
+                h += 1
+                ws = waiters[s]
+                while ws and ws[0][0] <= cnt:
+                    _, _, e2, reach, j = heappop(ws)
+                    wake = t + sem_lat
+                    if reach > wake:  # the waiter ran ahead of the clock and got here later
+                        wake = reach
+                    starts[j] = reach
+                    ends[j] = wake
+                    pred[j] = i
+                    gate[e2] = j
+                    head[e2] += 1
+                    heappush(heap, (wake, seq, e2))
+                    seq += 1
+            elif k == BARRIER:
+                b = a1[i]
+                if b in released:  # arrived after the release: pass at once
+                    rel, j = released[b]
+                    starts[i] = t
+                    if rel > t:
+                        pred[i], gate[e], t = j, i, rel
+                    else:
+                        pred[i] = gate[e]
+                    ends[i] = t
+                    h += 1
+                    continue
+                group = arrived[b]
+                group.append((e, t, i))
+                if len(group) < a2[i]:
+                    break
+                rel = t + bar_lat
+                released[b] = (rel, i)
+                head[e] = h  # the loop below advances every member, this engine included
+                for e2, reach, j in group:
+                    starts[j] = reach
+                    ends[j] = rel
+                    pred[j] = i if j != i else gate[e]  # the last arrival released everyone
+                    gate[e2] = j
+                    head[e2] += 1
+                    heappush(heap, (rel, seq, e2))
+                    seq += 1
+                del arrived[b]
+                h = -1  # head[e] already advanced
+                break
+            elif k == SEND:
+                end = t + dur[i]
+                key = a1[i]
+                sends[key].append((end, i))
+                starts[i] = t
+                ends[i] = end
+                pred[i] = gate[e]
+                gate[e] = i
+                h += 1
+                waiting = recv_waiting.get(key)
+                if waiting:
+                    e2, reach, j = waiting.pop(0)
+                    recvs_done[key] += 1
+                    starts[j] = reach
+                    ends[j] = end if end > reach else reach
+                    pred[j] = i
+                    gate[e2] = j
+                    head[e2] += 1
+                    heappush(heap, (ends[j], seq, e2))
+                    seq += 1
+                t = end
+            else:  # RECV
+                key = a1[i]
+                done = recvs_done[key]
+                sent = sends[key]
+                if len(sent) <= done:
+                    recv_waiting[key].append((e, t, i))
+                    break
+                recvs_done[key] = done + 1
+                delivered, j = sent[done]
+                starts[i] = t
+                h += 1
+                if delivered > t:
+                    ends[i] = delivered
+                    pred[i] = j
+                    gate[e] = i
+                    t = delivered
+                else:
+                    ends[i] = t
+                    pred[i] = gate[e]
+        if h >= 0:
+            head[e] = h
+
+    if any(head[e] < len(streams[e]) for e in range(n_eng)):
+        heads = {engines[e]: head[e] for e in range(n_eng)}
+        barrier_arrived = {b: {engines[e2] for e2, _, _ in group} for b, group in arrived.items()}
+        raise _deadlock(program, dict(zip(engines, streams, strict=True)), heads,
+                        defaultdict(int, zip(st.facts.semaphore_ids.tolist(), sem_count, strict=True)),
+                        defaultdict(set, barrier_arrived))
+
+    fixed = st.fixed
+    if fills:
+        fixed[np.array(fills, dtype=np.int64)] += fill_s
+    return Timeline(
+        program=program,
+        spec=spec,
+        engines=engines,
+        start_s=np.array(starts, dtype=np.float64),
+        end_s=np.array(ends, dtype=np.float64),
+        engine_index=st.facts.engine_index,
+        category=st.category,
+        bytes=st.nbytes,
+        hbm=st.hbm,
+        flops=st.flops,
+        flop_format=st.fmt,
+        fixed_s=fixed,
+        work_s=st.work,
+        core_dma_s=st.core_dma,
+        pred=np.array(pred, dtype=np.int64),
+        hbm_bytes_per_channel=st.channel_bytes,
+        launch_s=spec.sync.kernel_launch_s,
+    )

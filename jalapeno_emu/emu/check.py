@@ -7,8 +7,10 @@ Ordering model (the same one the timing pass implements):
 - The matrix unit, the vector unit and the link engine finish instructions in issue order, so
   program order on them is a happens-before order.
 - A DMA queue keeps several descriptors in flight: two DMAs on one queue are NOT ordered with each
-  other. ``sem.signal``, ``sem.wait`` and ``barrier`` on a DMA queue are fences: the queue waits
-  for its earlier transfers to complete before going past them.
+  other. A ``sem.signal`` on a DMA queue takes effect once every earlier transfer of the queue
+  has completed, but the queue does not stop at it; a ``sem.wait`` (or ``barrier``) does stop
+  it. So "load; signal s; wait s; store" orders the store after the load, "load; signal; store"
+  does not.
 - ``sem.wait(s, v)`` happens after those ``sem.signal``s on ``s`` that every schedule must have
   executed to reach ``v`` (an engine's signals count only beyond what all other engines could
   contribute). ``barrier`` joins every participant. ``link.recv`` follows its ``link.send``.
@@ -38,7 +40,6 @@ from jalapeno_emu.isa.table import Space
 
 __all__ = ["check_program", "tiles_overlap"]
 
-_FENCES = ("sem.signal", "sem.wait", "barrier")
 
 
 def _err(cls, msg: str, idx: int, ins: Instruction, addresses=(), hint=None):
@@ -120,6 +121,12 @@ class _Clocks:
         self.barriers: dict[int, list[dict]] = defaultdict(list)
         self.sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
 
+    def _record_signal(self, ins: Instruction, eng: Engine, vc: dict) -> None:
+        sem = ins.arg("sem")
+        prev = [c for e, c, _ in self.signal_vcs[sem] if e == eng]
+        cum = (prev[-1] if prev else 0) + ins.arg("count")
+        self.signal_vcs[sem].append((eng, cum, dict(vc)))
+
     @staticmethod
     def join(a: dict, b: dict) -> dict:
         out = dict(a)
@@ -133,24 +140,30 @@ class _Clocks:
         eng = ins.engine
         self.counter[eng] += 1
         my_id = self.counter[eng]
-        vc = self.engine_vc[eng]
+        vc = dict(self.engine_vc[eng])
         mn = ins.mnemonic
-        is_dma = eng.unit == "dma"
-        if is_dma and mn not in _FENCES:
-            # A DMA is ordered after the queue's last fence, not after the DMAs before it.
-            return eng, my_id, dict(vc)
-        if is_dma:  # a fence: every earlier transfer of this queue has completed
-            vc = dict(vc)
-            vc[eng] = my_id
+        if eng.unit == "dma":
+            # A DMA queue's own progress never advances its clock component: only a signal, which
+            # takes effect once every earlier transfer has completed, vouches for them.
+            if mn == "sem.signal":
+                sig_vc = dict(vc)
+                sig_vc[eng] = my_id
+                self._record_signal(ins, eng, sig_vc)
+                return eng, my_id, vc
+            if mn not in ("sem.wait", "barrier"):
+                return eng, my_id, vc
         else:
-            vc = dict(vc)
             vc[eng] = my_id
         if mn == "sem.wait":
             sem, need = ins.arg("sem"), ins.arg("value")
+            joined: set[Engine] = set()
             for sig_eng, cum, svc in self.signal_vcs[sem]:
+                # Only the first signal of sig_eng that every schedule needs is known to precede
+                # the wait; later ones from that engine may come after it.
                 others = sem_totals[sem] - sem_signals[sem].get(sig_eng, 0)
-                if cum >= need - others > 0:
+                if sig_eng not in joined and cum >= need - others > 0:
                     vc = self.join(vc, svc)
+                    joined.add(sig_eng)
         elif mn == "barrier":
             pass  # joined when the barrier completes (below, via barrier_join)
         elif mn == "link.recv":
@@ -159,10 +172,7 @@ class _Clocks:
                 vc = self.join(vc, sends.pop(0))
         self.engine_vc[eng] = vc
         if mn == "sem.signal":
-            sem = ins.arg("sem")
-            prev = [c for e, c, _ in self.signal_vcs[sem] if e == eng]
-            cum = (prev[-1] if prev else 0) + ins.arg("count")
-            self.signal_vcs[sem].append((eng, cum, dict(vc)))
+            self._record_signal(ins, eng, vc)
         elif mn == "link.send":
             self.sends[link_key(ins)].append(dict(vc))
         return eng, my_id, dict(vc)

@@ -38,24 +38,47 @@ def test_unsatisfiable_wait_is_a_deadlock_saying_who_waits_on_whom():
     assert "c0.mxu" in str(err.value) and "(loaded) >= 2" in str(err.value)
 
 
-def test_two_dmas_on_one_queue_are_not_ordered():
+def _load_then_store(sync: str) -> KernelBuilder:
     kb = KernelBuilder("q", chip="tiny")
     x_h, y_h = kb.hbm("X", (8, 64), "f32"), kb.hbm("Y", (8, 64), "f32")
     buf = kb.sram(0, "buf", (8, 64), "f32")
+    s = kb.semaphore("loaded")
+    q = kb.core(0).dma[0]
+    q.load(buf, x_h)
+    if sync in ("signal", "signal+wait"):
+        q.signal(s)
+    if sync == "signal+wait":
+        q.wait(s, 1)
+    q.store(y_h, buf)
+    return kb
+
+
+@pytest.mark.parametrize(("sync", "racy"), [("none", True), ("signal", True), ("signal+wait", False)])
+def test_dmas_on_one_queue_are_ordered_only_by_a_wait(sync, racy):
+    # A queue keeps several transfers in flight and does not stop at a signal, so the store may
+    # overtake the load unless the queue waits for the signal that covers the load.
+    prog = _load_then_store(sync).build()
+    if racy:
+        with pytest.raises(Race, match=r"instruction #0 on c0\.dma0"):
+            check_program(prog, TINY)
+    else:
+        check_program(prog, TINY)
+
+
+def test_a_later_signal_does_not_order_an_earlier_wait():
+    kb = KernelBuilder("late", chip="tiny")
+    x_h = kb.hbm("X", (8, 64), "f32")
+    buf = kb.sram(0, "buf", (8, 64), "f32")
+    out = kb.sram(0, "out", (8, 64), "f32")
+    s = kb.semaphore("s")
     c0 = kb.core(0)
+    c0.mxu.signal(s)  # an unrelated first signal satisfies the wait
     c0.dma[0].load(buf, x_h)
-    c0.dma[0].store(y_h, buf)  # may overtake the load: DMA queues keep several in flight
+    c0.dma[0].signal(s)
+    c0.vpu.wait(s, 1)
+    c0.vpu.exp(out, buf)  # may run before the load: a race
     with pytest.raises(Race):
         check_program(kb.build(), TINY)
-    kb2 = KernelBuilder("q", chip="tiny")
-    x_h, y_h = kb2.hbm("X", (8, 64), "f32"), kb2.hbm("Y", (8, 64), "f32")
-    buf = kb2.sram(0, "buf", (8, 64), "f32")
-    s = kb2.semaphore("fence")
-    c0 = kb2.core(0)
-    c0.dma[0].load(buf, x_h)
-    c0.dma[0].signal(s)  # a signal is a fence on its queue
-    c0.dma[0].store(y_h, buf)
-    check_program(kb2.build(), TINY)
 
 
 def test_sram_allocation_over_capacity():

@@ -1,7 +1,29 @@
 """Kernel library for the emulated die (installed as ``jalapeno_emu.kernels``).
 
-Stage: kernels, after the emulator. One module per kernel family, each with its pure-JAX
-reference. Nothing is exported yet: kernels land once the ISA builder exists (issue 4).
+Stage: kernels, on top of the ISA builder and the emulator. One module per kernel family
+(``norm``, ``gemm``, ``attention``, ``mla``, ``moe``), each kernel registered as a ``KernelDef``
+with shape keys, a Program builder, input generation and a pure-JAX reference; ``run_kernel``
+checks, times and (optionally) verifies one.
 """
 
-__all__: list[str] = []
+from .base import KernelBuild as KernelBuild
+from .base import KernelDef as KernelDef
+from .base import ShapeKey as ShapeKey
+from .base import Tolerance as Tolerance
+from .registry import all_kernels as all_kernels
+from .registry import get_kernel as get_kernel
+from .registry import register as register
+from .runner import KernelReport as KernelReport
+from .runner import run_kernel as run_kernel
+
+__all__ = [
+    "KernelBuild",
+    "KernelDef",
+    "KernelReport",
+    "ShapeKey",
+    "Tolerance",
+    "all_kernels",
+    "get_kernel",
+    "register",
+    "run_kernel",
+]

@@ -1,0 +1,31 @@
+"""``kernel list`` and ``kernel NAME``: JSON fields, check results, one-line errors."""
+
+import json
+
+from jalapeno_emu.cli.main import main
+
+
+def test_kernel_list_json(capsys):
+    assert main(["kernel", "list", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = {k["name"] for k in doc["kernels"]}
+    assert "rmsnorm" in names
+    assert all(k["shape"] for k in doc["kernels"])
+
+
+def test_kernel_check_json_has_the_contract_fields(capsys, tmp_path):
+    trace = tmp_path / "t.json"
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--check", "--json",
+                 "--trace", str(trace)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    for key in ("time_s", "hbm_bytes", "flops", "hbm_utilization", "mxu_utilization", "bound",
+                "max_abs_error", "max_rel_error", "tolerance", "passed"):
+        assert key in doc, key
+    assert doc["passed"] is True and json.loads(trace.read_text())["traceEvents"]
+
+
+def test_kernel_errors_exit_2(capsys):
+    assert main(["kernel", "nope"]) == 2
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=x"]) == 2
+    err = capsys.readouterr().err
+    assert "no kernel named 'nope'" in err and "tokens='x' is not a valid int" in err

@@ -1,0 +1,32 @@
+"""rmsnorm: functional result within its tolerance of the pure-JAX reference; timing sanity."""
+
+import pytest
+
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels import get_kernel, run_kernel
+
+
+@pytest.mark.parametrize("shape", [{"tokens": 8, "hidden": 256}, {"tokens": 5, "hidden": 96},
+                                   {"tokens": 67, "hidden": 64}])
+def test_rmsnorm_matches_reference(shape):
+    r = run_kernel("rmsnorm", shape, check=True)
+    assert r.check["passed"], r.check
+    assert r.summary["time_s"] >= r.summary["lower_bound_s"]
+
+
+def test_rmsnorm_full_size_timing_only_is_hbm_or_latency_bound():
+    r = run_kernel("rmsnorm", {"tokens": 4096, "hidden": 2880}, preset="jalapeno-v1")
+    # 4 bytes in, 4 out per element; nothing on the matrix unit.
+    assert r.summary["hbm_bytes"] >= 4096 * 2880 * 8
+    assert r.summary["flops"] == 0 and r.summary["bound"] in ("hbm", "latency")
+
+
+def test_impossible_shapes_are_refused_before_building():
+    with pytest.raises(InvalidArgumentError, match="scratchpad"):
+        run_kernel("rmsnorm", {"hidden": 1 << 20})
+    with pytest.raises(InvalidArgumentError, match="eps"):
+        run_kernel("rmsnorm", {"eps": -1.0})
+    with pytest.raises(InvalidArgumentError, match="no shape key"):
+        get_kernel("rmsnorm").shape(texts=["tokenz=3"])
+    with pytest.raises(InvalidArgumentError, match=">= 1"):
+        get_kernel("rmsnorm").shape(texts=["tokens=0"])

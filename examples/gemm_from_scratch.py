@@ -23,7 +23,6 @@ import os
 import tempfile
 
 import numpy as np
-from jalapeno_emu.isa.builder import KernelBuilder
 
 from jalapeno_emu import mx
 from jalapeno_emu.chip import load_preset
@@ -31,6 +30,7 @@ from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.program import Program
 from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.isa.builder import KernelBuilder
 
 TILE_M = TILE_N = 128
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -33,17 +34,10 @@ def rmsnorm_reference(x, residual, weight, eps: float):
     """Pure-JAX RMSNorm with residual add, same roundings as the kernel: (y, h), both bf16."""
     h = (jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)).astype(jnp.bfloat16)
     hf = h.astype(jnp.float32)
-    inv = jax_rsqrt(jnp.sum(hf * hf, axis=1, keepdims=True) * jnp.float32(1 / hf.shape[1])
+    inv = jax.lax.rsqrt(jnp.sum(hf * hf, axis=1, keepdims=True) * jnp.float32(1 / hf.shape[1])
                     + jnp.float32(eps))
     y = ((hf * inv) * jnp.asarray(weight, jnp.float32)).astype(jnp.bfloat16)
     return y, h
-
-
-def jax_rsqrt(x):
-    """1/sqrt(x) as the vector unit computes it (XLA's rsqrt)."""
-    import jax
-
-    return jax.lax.rsqrt(x)
 
 
 def _rows_per_tile(hidden: int, rows: int, spec: ChipSpec) -> int:
@@ -67,7 +61,8 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     rows_per_core = -(-t // cores)
     r = _rows_per_tile(h, rows_per_core, spec)
     kb = KernelBuilder(f"rmsnorm_{t}x{h}", chip=spec)
-    x_h, res_h, w_h = kb.hbm("x", (t, h), "bf16"), kb.hbm("residual", (t, h), "bf16"), kb.hbm("w", (1, h), "bf16")
+    x_h, res_h = kb.hbm("x", (t, h), "bf16"), kb.hbm("residual", (t, h), "bf16")
+    w_h = kb.hbm("w", (1, h), "bf16")
     eps_h = kb.hbm("eps", (1, 1), "f32")
     y_h, hout_h = kb.hbm("y", (t, h), "bf16"), kb.hbm("h", (t, h), "bf16")
     for c in range(cores):

@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from jalapeno_emu.isa import assemble, decode_program
 
 from jalapeno_emu.cli.main import main
+from jalapeno_emu.isa import assemble, decode_program
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "asm" / "tile_matmul.jasm"
 

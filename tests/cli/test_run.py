@@ -5,10 +5,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jalapeno_emu.isa.asm import assemble
 
 from jalapeno_emu.cli.main import main
 from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.isa.asm import assemble
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "asm" / "tile_matmul.jasm"
 

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jalapeno_emu.isa.builder import KernelBuilder
 
 from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.errors import Deadlock, OutOfBounds
+from jalapeno_emu.isa.builder import KernelBuilder
 from tests.emu.programs import build_gemm, matmul_tile_program, vector_program
 
 

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from jalapeno_emu.isa.table import Space
 
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.hbm_map import (
@@ -12,6 +11,7 @@ from jalapeno_emu.emu.hbm_map import (
     split_pseudo_channel,
 )
 from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.isa.table import Space
 
 
 def brute_force(offset, rows, row_bytes, stride, granule, channels):

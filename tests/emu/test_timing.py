@@ -10,12 +10,12 @@ import random
 
 import numpy as np
 import pytest
-from jalapeno_emu.isa.builder import KernelBuilder
 
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu import Timeline, microbench, run_timing
 from jalapeno_emu.emu.timeline import CATEGORIES
 from jalapeno_emu.errors import Deadlock
+from jalapeno_emu.isa.builder import KernelBuilder
 
 GIB = 1 << 30
 

@@ -5,12 +5,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from jalapeno_emu.isa import TABLE, assemble, check_program, disassemble
-from jalapeno_emu.isa.asm import format_instruction, format_tile
-from jalapeno_emu.isa.table import Space
 
 from jalapeno_emu.emu.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.errors import AssemblyError
+from jalapeno_emu.isa import TABLE, assemble, check_program, disassemble
+from jalapeno_emu.isa.asm import format_instruction, format_tile
+from jalapeno_emu.isa.table import Space
 from tests.isa.forms import legal_forms
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "asm" / "tile_matmul.jasm"

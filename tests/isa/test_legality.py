@@ -5,12 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from jalapeno_emu.isa import TABLE, by_mnemonic, check_instruction, check_program
-from jalapeno_emu.isa.legality import canonical, check_rule
-from jalapeno_emu.isa.table import InstrSpec, OperandSpec, Space
 
 from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import IllegalInstruction
+from jalapeno_emu.isa import TABLE, by_mnemonic, check_instruction, check_program
+from jalapeno_emu.isa.legality import canonical, check_rule
+from jalapeno_emu.isa.table import InstrSpec, OperandSpec, Space
 from tests.isa.forms import engines_for, legal_form
 
 SRAM, HBM, ACC = Space.SRAM, Space.HBM, Space.ACC

@@ -483,7 +483,7 @@ def _flag_messages(ins: Instruction) -> list[str]:
 
 
 def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
-                   debug: bool = False) -> FunctionalResult:
+                   debug: bool = False, schedule_seed: int | None = None) -> FunctionalResult:
     """Execute ``program`` and return the memory contents.
 
     Args:
@@ -492,6 +492,8 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             recorded dtype), raw uint8 bytes, or an ``MXArray`` (codes go to ``name``, scales to
             ``name.scales``).
         debug: fill memory nothing initialised with 0xFF bytes (NaN) instead of zeros.
+        schedule_seed: run the engines in another legal interleaving (``sequential_order``'s
+            seed); a program that passes ``check_program`` gives the same results under all.
 
     Returns:
         FunctionalResult with every buffer as a numpy uint8 array.
@@ -500,7 +502,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         Deadlock: no legal order exists.
         OutOfBounds: a tile is not backed by memory, or a gather index is out of range.
     """
-    layout, plan = _plan(program)
+    layout, plan = _plan(program, schedule_seed)
     bufs = _initial_buffers(program, layout, inputs or {}, debug)
     state = {k: jnp.asarray(v) for k, v in bufs.items()}
     in_flight: dict[tuple[int, int], list[jax.Array]] = {}
@@ -519,12 +521,12 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(program: Program) -> tuple[MemoryLayout, list[tuple]]:
+def _plan(program: Program, seed: int | None = None) -> tuple[MemoryLayout, list[tuple]]:
     """The memory layout and, per instruction in a legal order, (index, compiled fn or None for
     links, buffer keys, offsets). Cached: re-running a program skips all host-side preparation."""
     layout = MemoryLayout.of(program)
     plan = []
-    for idx in sequential_order(program):
+    for idx in sequential_order(program, seed=seed):
         ins = program.instructions[idx]
         if ins.mnemonic in _NO_DATA:
             continue

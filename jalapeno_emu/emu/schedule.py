@@ -21,19 +21,26 @@ def link_key(ins: Instruction) -> tuple[int, int]:
     return ins.arg("peer"), ins.arg("tag")
 
 
-def sequential_order(program: Program) -> list[int]:
+def sequential_order(program: Program, *, seed: int | None = None) -> list[int]:
     """Instruction indices in an order every engine could have run them.
 
     Engines run in issue order; ``sem.wait`` blocks until enough ``sem.signal`` counts have
     executed; ``barrier`` blocks until ``count`` engines reached it; ``link.recv`` blocks until the
-    matching ``link.send`` ran. The lowest-numbered runnable engine always goes first, so the order
-    is deterministic.
+    matching ``link.send`` ran. By default the lowest-numbered runnable engine always goes first,
+    so the order is deterministic; with ``seed`` the engines take turns one instruction at a time
+    in a seeded random order, giving another legal interleaving (a race-free program must give
+    the same results under every one).
 
     Raises:
         Deadlock: no engine can make progress while instructions remain.
     """
     streams = program.streams()
     engines = sorted(streams)
+    rng = None
+    if seed is not None:
+        import random
+
+        rng = random.Random(seed)
     heads = dict.fromkeys(engines, 0)
     sem_count: dict[int, int] = defaultdict(int)
     barrier_arrived: dict[int, set] = defaultdict(set)
@@ -46,9 +53,13 @@ def sequential_order(program: Program) -> list[int]:
     progress = True
     while remaining and progress:
         progress = False
+        if rng is not None:
+            rng.shuffle(engines)
         for eng in engines:
             stream = streams[eng]
-            while heads[eng] < len(stream):
+            steps = 0
+            while heads[eng] < len(stream) and (rng is None or steps < rng.randint(1, 3)):
+                steps += 1
                 idx = stream[heads[eng]]
                 ins = instrs[idx]
                 mn = ins.mnemonic

@@ -44,7 +44,8 @@ def _rows_per_tile(hidden: int, rows: int, spec: ChipSpec) -> int:
     # Per buffer slot: x, residual, h, y in bf16 and one f32 scratch = 12 bytes per element.
     per_row = 12 * hidden
     budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) // 2 - 4 * hidden
-    r = min(rows, budget // per_row)
+    # At least four tiles per core when there are rows enough, so loads, math and stores overlap.
+    r = min(-(-rows // 4), budget // per_row)
     if r < 1:
         raise InvalidArgumentError(
             f"hidden={hidden} needs {per_row * 2 + 4 * hidden:,} B of scratchpad for one row "

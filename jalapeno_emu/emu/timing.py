@@ -45,7 +45,9 @@ Cost models (times in seconds):
   tile's rows*cols (times ceil(log2(k+1)) for top-k, twice for quantize), rate = ``lanes``, or
   ``transcendental_elements_per_cycle`` for exp/rsqrt/sigmoid/silu/recip.
 - **Semaphores**: ``sem.signal`` takes effect (adds its count) once every earlier instruction of
-  its engine has completed, in-flight DMA transfers included; it takes no engine time of its own.
+  its engine has completed, in-flight DMA transfers included; it takes no engine time of its own,
+  and a DMA queue does not stop at it: the queue keeps issuing while the signal is pending (so a
+  signal orders nothing on its own queue; a ``sem.wait`` does, as the checker assumes).
   ``sem.wait`` ends ``sync.semaphore_latency_cycles`` after the signal that brought the count to
   its value (at once if that is already past). ``barrier`` releases everyone
   ``sync.barrier_latency_cycles`` after the last of ``count`` engines arrived (each id is used
@@ -160,8 +162,35 @@ def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
     heap = [(0.0, streams[e][0], e) for e in range(n_eng)]
     heapq.heapify(heap)
     seq = n
+    def apply_signal(i: int, t: float, seq: int) -> int:
+        """Add signal i's count at time t and wake the waiters it satisfies; returns seq."""
+        s = a1[i]
+        cnt = sem_count[s] + a2[i]
+        sem_count[s] = cnt
+        hist = sem_hist[s]
+        hist[0].append(cnt)
+        hist[1].append(t)
+        hist[2].append(i)
+        ws = waiters[s]
+        while ws and ws[0][0] <= cnt:
+            _, _, e2, reach, j = heappop(ws)
+            wake = t + sem_lat
+            if reach > wake:  # the waiter ran ahead of the clock and got here later
+                wake = reach
+            starts[j] = reach
+            ends[j] = wake
+            pred[j] = i
+            gate[e2] = j
+            head[e2] += 1
+            heappush(heap, (wake, seq, e2))
+            seq += 1
+        return seq
+
     while heap:
         t, _, e = heappop(heap)
+        if e >= n_eng:  # a DMA queue's pending signal lands
+            seq = apply_signal(e - n_eng, t, seq)
+            continue
         stream = streams[e]
         h = head[e]
         n_stream = len(stream)
@@ -246,37 +275,22 @@ def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
                 h += 1
             elif k == SIGNAL:
                 out = outstanding[e]
-                if out:  # a DMA queue: the signal waits for every transfer in flight
-                    while out and out[0][0] <= t:
-                        heappop(out)
-                    if out:
-                        t2, gate[e] = max(out)
-                        heappush(heap, (t2, seq, e))
-                        seq += 1
-                        break
-                s = a1[i]
-                cnt = sem_count[s] + a2[i]
-                sem_count[s] = cnt
-                hist = sem_hist[s]
-                hist[0].append(cnt)
-                hist[1].append(t)
-                hist[2].append(i)
-                starts[i] = ends[i] = t
+                starts[i] = t
                 pred[i] = gate[e]
                 h += 1
-                ws = waiters[s]
-                while ws and ws[0][0] <= cnt:
-                    _, _, e2, reach, j = heappop(ws)
-                    wake = t + sem_lat
-                    if reach > wake:  # the waiter ran ahead of the clock and got here later
-                        wake = reach
-                    starts[j] = reach
-                    ends[j] = wake
-                    pred[j] = i
-                    gate[e2] = j
-                    head[e2] += 1
-                    heappush(heap, (wake, seq, e2))
+                if out:  # a DMA queue: the signal lands when every transfer in flight has
+                    while out and out[0][0] <= t:
+                        heappop(out)
+                if out:
+                    # ... but the queue does not stop: it goes on issuing while the signal is
+                    # pending, and the count changes at the landing time, in global time order.
+                    t2, pred[i] = max(out)
+                    ends[i] = t2
+                    heappush(heap, (t2, seq, n_eng + i))
                     seq += 1
+                    continue
+                ends[i] = t
+                seq = apply_signal(i, t, seq)
             elif k == BARRIER:
                 b = a1[i]
                 if b in released:  # arrived after the release: pass at once

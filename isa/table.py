@@ -437,6 +437,70 @@ TABLE: tuple[InstrSpec, ...] = (
             "count >= 1",
         ),
     ),
+    # --- mla ------------------------------------------------------------------------------
+    InstrSpec(
+        "mxu.matmul_t",
+        0x68,
+        "mxu",
+        (
+            _tile("acc", _ACC, ("f32",), writes=True, doc="[M, N] FP32 accumulators"),
+            _tile("a", _SRAM, _MX_A, doc="[M, K] left operand, blocked along K"),
+            _tile("b", _SRAM, _MX_A, doc="[N, K] right operand, used transposed, blocked along K"),
+            _tile("a_scale", _SRAM, ("e8m0",), optional=True, doc="[M, K/32] E8M0 scales of a"),
+            _tile("b_scale", _SRAM, ("e8m0",), optional=True, doc="[N, K/32] E8M0 scales of b"),
+            _enum(
+                "mode",
+                ("overwrite", "accumulate"),
+                "accumulate",
+                doc="start from zero or from acc's contents",
+            ),
+        ),
+        "matmul",
+        "acc = (mode == overwrite ? +0 : acc) accumulated with a @ b^T: exactly mxu.matmul with b "
+        "read transposed (the systolic array loads its stationary operand either way), so row-major "
+        "keys or a row-major latent KV cache [tokens, K] serve as the right operand of q @ k^T "
+        "without a transpose pass. Same numerics: one 32-element K block at a time in increasing "
+        "order, FP32 RNE accumulation; MX operands need their scale tile, bf16 ones take none. "
+        "K must be a multiple of 32.",
+        rules=(
+            "acc.rows == a.rows",
+            "acc.cols == b.rows",
+            "a.cols == b.cols",
+            "a.cols % 32 == 0",
+            "(a.dtype == 'bf16') == (a_scale is None)",
+            "(b.dtype == 'bf16') == (b_scale is None)",
+            "a_scale is None or a_scale.shape == (a.rows, a.cols // 32)",
+            "b_scale is None or b_scale.shape == (b.rows, b.cols // 32)",
+            "a.core == b.core == acc.core == core",
+        ),
+    ),
+    # --- moe -----------------------------------------------------------------------------
+    InstrSpec(
+        "vec.group",
+        0x60,
+        "vpu",
+        (
+            _tile("dst", _SRAM, ("i32",), writes=True, doc="[U, 1] distinct values of src, increasing"),
+            _tile("dst_w", _SRAM, _FLOATS, writes=True, doc="[U, R] weight of each row per value"),
+            _tile("src", _SRAM, ("i32",), doc="[R, k] values (MoE: each token's top-k expert ids)"),
+            _tile("w", _SRAM, _FLOATS, doc="[R, k] weights (MoE: each token's gate weights)"),
+        ),
+        "reduce",
+        "Group the (row, j) pairs of src by value (MoE: tokens by expert). dst[u, 0] is the u-th "
+        "smallest distinct value of src; rows of dst past the number of distinct values D repeat "
+        "the largest one (so they stay valid gather indices). dst_w[u, r] = sum over j, in "
+        "increasing j, of w[r, j] where src[r, j] == dst[u, 0], in FP32 rounded to dst_w's dtype, "
+        "for u < D; rows u >= D are 0. More than U distinct values is an error of the functional "
+        "pass (the program was built for fewer). Timed as a sort of R*k keys "
+        "(ceil(log2(R*k + 1)) passes) plus U*R writes.",
+        rules=(
+            "dst.cols == 1",
+            "dst_w.rows == dst.rows",
+            "dst_w.cols == src.rows",
+            "w.shape == src.shape",
+            "dst.core == dst_w.core == src.core == w.core == core",
+        ),
+    ),
     # --- Scale-up link --------------------------------------------------------------------
     InstrSpec(
         "link.send",

@@ -40,6 +40,8 @@ from jalapeno_emu.isa.table import Space
 
 __all__ = ["check_program", "tiles_overlap"]
 
+_MATMULS = ("mxu.matmul", "mxu.matmul_t")  # their acc is read too in mode=accumulate
+
 
 
 def _err(cls, msg: str, idx: int, ins: Instruction, addresses=(), hint=None):
@@ -225,7 +227,7 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             if not writes and check_uninitialized and tile.space is not Space.HBM:
                 _check_initialized(tile, written[key], idx, ins, name)
-            if ins.mnemonic == "mxu.matmul" and name == "acc" and ins.arg("mode") == "accumulate":
+            if ins.mnemonic in _MATMULS and name == "acc" and ins.arg("mode") == "accumulate":
                 if check_uninitialized:
                     _check_initialized(tile, written[key], idx, ins, name)
                 _check_races(accesses[key], tile, False, eng, my_id, vc, idx, program, ins, name)
@@ -274,7 +276,7 @@ def _check_initialized(tile: Tile, writes: list[Tile], idx: int, ins: Instructio
             index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
             hint="load or compute the data first" + (
                 "; the first matmul into fresh accumulators needs mode=overwrite"
-                if ins.mnemonic == "mxu.matmul" and name == "acc" else ""),
+                if ins.mnemonic in _MATMULS and name == "acc" else ""),
         )
 
 

@@ -172,7 +172,8 @@ class ProgramFacts:
                                          axis=1))
             elif row.timing == "matmul":
                 a, b = operand("a"), operand("b")
-                self.mm[idx] = np.stack([_ints(a, _ROWS), _ints(b, _COLS), _ints(a, _COLS)], axis=1)
+                n_of = _ROWS if mn == "mxu.matmul_t" else _COLS  # matmul_t's b is [N, K]
+                self.mm[idx] = np.stack([_ints(a, _ROWS), _ints(b, n_of), _ints(a, _COLS)], axis=1)
                 a_dt, b_dt = np.array(list(map(_DTYPE, a))), np.array(list(map(_DTYPE, b)))
                 self.fmt[idx] = np.where((a_dt == "fp4") & (b_dt == "fp4"), 0,
                                          np.where((a_dt == "bf16") | (b_dt == "bf16"), 2, 1))
@@ -184,6 +185,10 @@ class ProgramFacts:
                     elements *= _ints(operand("dst"), lambda t: t.cols.bit_length())
                 elif mn == "vec.quantize":
                     elements *= 2  # one pass for each block's amax, one to scale and round
+                elif mn == "vec.group":  # sort the R*k keys (a pass per bit of R*k), write [U, R]
+                    dst_w = operand("dst_w")
+                    elements = elements * np.array([int(e).bit_length() for e in elements], dtype=np.int64) \
+                        + _ints(dst_w, _ROWS) * _ints(dst_w, _COLS)
                 elif mn == "vec.unary":
                     self.special[idx] = list(map(TRANSCENDENTAL_OPS.__contains__, operand("op")))
                 self.elements[idx] = elements

@@ -216,6 +216,22 @@ class _Exec:
             out = _sequential_block_matmul(acc0, a_vals, b_vals)
         self.put(state, "acc", out)
 
+    def op_mxu_matmul_t(self, state, ins):
+        """a @ b^T: b [N, K] (scales [N, K/32]) is transposed to a [K, N] operand blocked along K."""
+        a_q, a_f = self.operand(state, "a", "a_scale", axis=1)
+        b_q, b_f = self.operand(state, "b", "b_scale", axis=1)
+        acc0 = (jnp.zeros(ins.arg("acc").shape, jnp.float32) if ins.arg("mode") == "overwrite"
+                else self.f32(state, "acc"))
+        if b_q is not None:
+            b_q = MXArray(codes=b_q.codes.T, scales=b_q.scales.T, fmt=b_q.fmt, axis=0, block_size=32)
+        if a_q is not None and b_q is not None:
+            out = _matmul_jit(a_q, b_q, acc0)
+        else:
+            a_vals = a_f if a_q is None else _dequant(a_q)
+            b_vals = b_f.T if b_q is None else _dequant(b_q)
+            out = _sequential_block_matmul(acc0, a_vals, b_vals)
+        self.put(state, "acc", out)
+
     # Vector unit: FP32 arithmetic, rounded to the destination's dtype
     def op_vec_unary(self, state, ins):
         self.put(state, "dst", _UNARY[ins.arg("op")](self.f32(state, "src")))
@@ -249,6 +265,25 @@ class _Exec:
 
     def op_vec_acc_read(self, state, ins):
         self.put(state, "dst", self.f32(state, "src"))
+
+    def op_vec_group(self, state, ins):
+        ids = self.get(state, "src")  # int32 [R, k]
+        w = self.f32(state, "w")
+        u_rows = ins.arg("dst").rows
+        ordered = jnp.sort(ids.reshape(-1))
+        new = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+        count = jnp.sum(new)
+        rank = jnp.cumsum(new) - 1  # which distinct value each sorted key is
+        uniq = jnp.zeros((u_rows,), jnp.int32).at[jnp.where(new, rank, u_rows)].set(ordered, mode="drop")
+        live = jnp.arange(u_rows) < count
+        uniq = jnp.where(live, uniq, ordered[-1])
+        self.flags.append(("more distinct values in src than dst has rows", count > u_rows))
+        out = jnp.zeros((u_rows, ids.shape[0]), jnp.float32)
+        for j in range(ids.shape[1]):  # increasing j, as documented
+            hit = (ids[None, :, j] == uniq[:, None]) & live[:, None]
+            out = out + jnp.where(hit, w[None, :, j], jnp.float32(0))
+        self.put(state, "dst", uniq[:, None])
+        self.put(state, "dst_w", out)
 
     # Synchronisation orders instructions; the driver's order already honours it.
     def op_sem_signal(self, state, ins):
@@ -479,6 +514,9 @@ def _flag_messages(ins: Instruction) -> list[str]:
     if ins.mnemonic == "dma.gather":
         src = ins.arg("src")
         return [f"gather index outside [0, {src.rows}) of {src.region()}"]
+    if ins.mnemonic == "vec.group":
+        return [f"src holds more distinct values than the {ins.arg('dst').rows} rows of dst "
+                f"{ins.arg('dst').region()} (the program was built for fewer)"]
     return []
 
 

@@ -273,6 +273,14 @@ def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
                 ends[i] = end
                 pred[i] = gate[e]
                 h += 1
+                if heap and heap[0][0] <= t:
+                    # Other queues issue at this instant too: take turns, one descriptor each,
+                    # so the pseudo-channels' FIFOs interleave the queues the way a memory
+                    # controller interleaves requests, instead of serving one queue's whole
+                    # burst before the next queue's first descriptor.
+                    heappush(heap, (t, seq, e))
+                    seq += 1
+                    break
             elif k == SIGNAL:
                 out = outstanding[e]
                 starts[i] = t

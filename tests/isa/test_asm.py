@@ -205,7 +205,7 @@ def test_errors_point_at_the_token(text, line, column, message):
 
 def test_hints_suggest_close_matches():
     cases = {
-        "c0.mxu: mxu.matmull acc[0]:0:f32[32,64]": "did you mean mxu.matmul?",
+        "c0.mxu: mxu.matmull acc[0]:0:f32[32,64]": "did you mean mxu.matmul or mxu.matmul_t?",
         "c0.vpu: vec.unary exp, sram[0]:0:f16x[8,8], sram[0]:0:f32[8,8]": "did you mean f16?",
         ".alloc hbm A 0 8\n.alloc hbm A 8 8": "first allocated on line 1",
         "c0.vpu: sem.signal 1, cout=2": "did you mean count?",

@@ -1,0 +1,1135 @@
+"""Flash attention on the emulated die: ``attention-decode`` and ``attention-prefill``.
+
+Both kernels run the same per-core engine, flash-style: a *unit* is a block of query rows that
+share one KV head (decode: the ``q_heads / kv_heads`` heads of one sequence's KV group, one token
+each; prefill: those heads times a tile of ``T`` query tokens, stacked head by head), and a unit
+walks its KV tiles with an online softmax (running row max ``m`` and sum ``l``, output ``O``
+rescaled by ``alpha = exp(m_old - m_new)``), so no score matrix larger than one tile ever exists.
+Each KV tile is loaded once per KV head and multiplied against all of that head's query rows at
+once (grouped-query attention costs the KV bytes of ``kv_heads`` heads, not ``q_heads``).
+
+Per KV tile ``j`` of ``n`` tokens (R query rows, head_dim D)::
+
+    S   = Q @ K^T[:, tile]                mxu, BF16 operands (or MXFP8 K), FP32 accumulators
+    s   = acc_read(S) (+ mask)            vpu: mask is an additive 0 / -1e30 tile from HBM
+    m'  = max(m, rowmax(s))               (first tile: rowmax, or max with the sink logit)
+    a   = exp(m - m')                     (first tile with sinks: exp(sink - m'))
+    p   = bf16(exp(s - m'))               P is rounded to BF16 for the P.V matmul
+    l   = l * a + rowsum(p)               (first tile: rowsum(p), plus a with sinks)
+    O   = O * a + acc_read(p @ V[tile])   (first tile: O = acc_read(p @ V))
+    out = bf16(O * recip(l))              after the last tile
+
+Engines overlap: DMA queues stream K and V tiles into ``nbuf`` slots; the matrix unit runs
+S(j+1) while the vector unit does the softmax of tile j, and P.V(j) right after; the vector unit
+then folds P.V(j-1) into O. A ``sem.signal`` on a DMA queue waits for that queue's transfers in
+flight, so one queue per stream keeps only one tile in flight: decode (whose few units per core
+keep their queries and outputs in private buffers) loads every query up front on queue 2 and
+stores every output at the end of queue 3, and streams K on queues 0 and 2 and V on 1 and 3,
+alternating tiles; prefill (query and output rings, vector-bound) streams K on 0 and V on 1,
+queries on 2, stores on 3. Units go to cores in contiguous blocks (decode: a sequence's KV heads
+together) or longest-first (prefill: causal units differ in length).
+
+Layouts (HBM, all row-major):
+
+- ``q`` (decode): [batch*q_heads, head_dim] BF16, row ``b*q_heads + h``; ``out`` the same.
+  The query is rotated here (RoPE at position ``context - 1``) and scaled by 1/sqrt(head_dim)
+  before its BF16 rounding. The cache holds keys already rotated (as prefill writes them).
+- KV cache, ``page_size`` 0 (contiguous): ``k_cache`` [batch*kv_heads*head_dim, cap], K
+  *transposed* per (sequence, KV head), so a tile is directly the matmul's [K=D, N=n] operand;
+  ``v_cache`` [batch*kv_heads*cap, head_dim]. ``cap`` is ``context`` rounded up to 32 tokens
+  (the tail is masked). K^T rows are padded by one HBM interleave granule (256 B: 128 BF16
+  elements) so that the rows of a K tile spread over the pseudo-channels.
+- Paged (``page_size`` > 0): ``block_table`` [batch, context/page_size] int32 of physical page
+  numbers; ``k_cache`` [pages, kv_heads*head_dim*page_size] (each KV head's page is a
+  [head_dim, page_size] K^T block); ``v_cache`` [pages, kv_heads*page_size*head_dim] (each a
+  [page_size, head_dim] block). One ``dma.gather`` per tile fetches its pages by the table
+  (indices are data: the program never reads them); S is one matmul per page, P.V one per tile.
+- ``kv_dtype`` fp8e4: MXFP8 E4M3 codes with E8M0 scales in ``k_cache.scales`` / ``v_cache.scales``,
+  blocked by 32 along each matmul's contraction: K along head_dim (scales [.., head_dim/32, ..]),
+  V along tokens (scales per 32 tokens per head_dim column). Q and P stay BF16 (the mixed
+  BF16 x MXFP8 matmul runs at the BF16 rate), so FP8 halves the KV bytes.
+- ``q``, ``k``, ``v`` (prefill): [batch*seq, q_heads*head_dim], ``k`` transposed per KV head
+  [batch*kv_heads*head_dim, seq] (the K projection writes it so by computing W_k^T X^T), ``v``
+  [batch*seq, kv_heads*head_dim]. A first phase rotates K^T and writes ``k_cache`` (the same
+  layout as decode's contiguous cache) that the attention phase reads; it is an output too.
+
+RoPE follows gpt-oss: rotate-half (first and second half of head_dim, done on sub-tiles) with
+YaRN-scaled frequencies and the concentration factor applied to cos and sin
+(``yarn_cos_sin``); the tables are computed on the host per position, FP32, kept in HBM.
+Sinks follow gpt-oss: one logit per query head joins the softmax denominator only.
+
+What bounds them: decode moves 2*head_dim*context bytes per (sequence, KV head) and does
+2*(q_heads/kv_heads) MACs per byte, far below the matrix unit's balance point, so it is HBM-bound
+at large batch and context (the matrix unit, padded to 128 rows for 8 query rows, sits near 80 %
+busy beside it); prefill is bound by the vector unit's exp (128 elements per cycle per core).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jalapeno_emu import mx
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.table import DTYPES
+
+from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .registry import register
+
+__all__ = [
+    "ATTENTION_DECODE",
+    "ATTENTION_PREFILL",
+    "MASK_VALUE",
+    "YARN_GPT_OSS",
+    "decode_reference",
+    "naive_attention",
+    "prefill_reference",
+    "yarn_cos_sin",
+]
+
+MASK_VALUE = -1e30
+"""Additive mask for excluded keys: finite, so a row with every key of a tile masked gives
+exp(0) = 1 garbage instead of NaN; the garbage is multiplied by alpha = exp(-1e30 - m) = 0 as
+soon as a tile with a real key arrives (every row has one: its own position)."""
+
+YARN_GPT_OSS = {"rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "beta_slow": 1.0}
+"""gpt-oss-120b's ``rope_theta`` and ``rope_scaling`` (``/work/shared/model_configs.json``)."""
+
+_BF16 = ml_dtypes.bfloat16
+_SRAM_SHARE = 0.9  # keep a little scratchpad free
+_DECODE_TILES = (2048, 1024, 512, 256, 128, 64, 32)
+_PREFILL_TILES = (128, 64, 32)
+_NBUF = 6  # KV slots per core: two tiles in flight per stream, one being multiplied, one spare
+_MAX_RING = 32  # decode keeps up to this many units' queries and outputs without reuse
+
+
+# --- RoPE tables ----------------------------------------------------------------------------
+def yarn_cos_sin(positions: int, head_dim: int, cfg: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss YaRN RoPE tables: (cos, sin), each float32[positions, head_dim/2].
+
+    Follows gpt-oss's ``RotaryEmbedding``: NTK-by-parts blend of interpolated (1/(factor*freq))
+    and extrapolated (1/freq) inverse frequencies with a linear ramp between the dims of
+    ``beta_fast`` and ``beta_slow`` rotations over the original context, and cos/sin scaled by the
+    concentration 0.1*ln(factor) + 1. Computed in float64, rounded once to float32.
+    """
+    c = YARN_GPT_OSS if cfg is None else cfg
+    theta, factor = c["rope_theta"], c["factor"]
+    orig = c["original_max_position_embeddings"]
+    half = head_dim // 2
+    freq = theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    concentration = 0.1 * math.log(factor) + 1.0
+    low = half * math.log(orig / (c["beta_fast"] * 2 * math.pi)) / math.log(theta)
+    high = half * math.log(orig / (c["beta_slow"] * 2 * math.pi)) / math.log(theta)
+    ramp = (np.arange(half, dtype=np.float64) - low) / (high - low)
+    extrapolate = 1 - np.clip(ramp, 0, 1)
+    inv_freq = (1 / (factor * freq)) * (1 - extrapolate) + (1 / freq) * extrapolate
+    ang = np.arange(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return ((np.cos(ang) * concentration).astype(np.float32),
+            (np.sin(ang) * concentration).astype(np.float32))
+
+
+# --- shape checks shared by both kernels ----------------------------------------------------
+def _check_common(shape: dict[str, Any]) -> None:
+    hq, hkv, d, w = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["window"]
+    if hq % hkv:
+        raise InvalidArgumentError(f"shape key q_heads={hq} must be a multiple of kv_heads={hkv} "
+                                   "(grouped-query attention)")
+    if d % 32:
+        raise InvalidArgumentError(f"shape key head_dim={d} must be a multiple of 32: Q.K^T "
+                                   "contracts over head_dim in 32-element matrix-unit blocks")
+    if w < 0:
+        raise InvalidArgumentError(f"shape key window={w} must be >= 0 (0: full attention)")
+
+
+# --- the engine ------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """One KV tile of a unit: ``n`` keys; how to load them; which mask (SRAM tile) to add."""
+
+    n: int
+    k: Tile | None = None  # contiguous HBM sources
+    k_scale: Tile | None = None
+    v: Tile | None = None
+    v_scale: Tile | None = None
+    idx: Tile | None = None  # paged: [pages, 1] int32 SRAM indices into the pools
+    mask: Tile | None = None  # [1, n] (broadcast over rows) or [nq, n] (per head)
+
+
+@dataclass
+class _Unit:
+    """One block of query rows sharing a KV head: R = heads * nq rows, stacked head by head."""
+
+    heads: int
+    nq: int
+    q: list[Tile]  # per head, HBM [nq, D]
+    out: list[Tile]  # per head, HBM [nq, D]
+    sink_row: int  # first query head (row of the sinks table)
+    cos: Tile | None = None  # prefill: HBM [nq, D/2] per-position tables
+    sin: Tile | None = None
+    key: tuple = ()  # decode (sequence, KV head); prefill (sequence, KV head, query tile)
+    steps: list[_Step] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.heads * self.nq
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static sizes of one kernel instance."""
+
+    hpk: int  # query heads per KV head
+    d: int
+    tk: int  # max keys per tile
+    nq_max: int  # max query tokens per unit (decode 1)
+    nbuf: int
+    kv_dtype: str
+    sinks: bool
+    scale: float
+    page_size: int  # 0: contiguous
+    ring: int = 2  # query-in and output buffers per core (>= units per core: no reuse waits)
+
+    @property
+    def kv_queues(self) -> int:
+        """DMA queues per KV stream: 2 (K on queues 0 and 2, V on 1 and 3, alternating tiles)
+        when nothing else ever blocks queues 2 and 3, else 1 (K on 0, V on 1)."""
+        return 2 if self.ring > 2 else 1
+
+    @property
+    def r_max(self) -> int:
+        return self.hpk * self.nq_max
+
+    def sram_buffers(self) -> list[tuple[str, tuple[int, int], str]]:
+        """(name, shape, dtype) of every per-core scratchpad buffer of the engine."""
+        r, d, tk, h = self.r_max, self.d, self.tk, self.d // 2
+        kv = self.kv_dtype
+        out = []
+        for s in range(self.nbuf):
+            out += [(f"k{s}", (d, tk), kv), (f"v{s}", (tk, d), kv)]
+            if kv != "bf16":
+                out += [(f"ks{s}", (d // 32, tk), "e8m0"), (f"vs{s}", (tk // 32, d), "e8m0")]
+        for s in range(self.ring):
+            out += [(f"qraw{s}", (r, d), "bf16"), (f"outb{s}", (r, d), "bf16")]
+        for s in range(2):
+            out += [(f"qrot{s}", (r, d), "bf16"), (f"p{s}", (r, tk), "bf16"), (f"O{s}", (r, d), "f32"),
+                    (f"m{s}", (r, 1), "f32"), (f"l{s}", (r, 1), "f32"), (f"alpha{s}", (r, 1), "f32")]
+            if self.nq_max > 1:
+                out += [(f"cos{s}", (self.nq_max, h), "f32"), (f"sin{s}", (self.nq_max, h), "f32")]
+        out += [("s", (r, tk), "f32"), ("o", (r, d), "f32"), ("t1", (r, h), "f32"),
+                ("t2", (r, h), "f32"), ("mt", (r, 1), "f32"), ("rs", (r, 1), "f32"),
+                ("rcp", (r, 1), "f32")]
+        return out
+
+    def acc_bytes(self) -> int:
+        return 2 * 4 * self.r_max * (self.tk + self.d)
+
+
+def _nbytes(shape: tuple[int, int], dtype: str) -> int:
+    return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
+
+
+def _fits(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> bool:
+    sram = sum(_nbytes(s, dt) for _, s, dt in plan.sram_buffers()) + consts_bytes
+    return (sram <= _SRAM_SHARE * spec.sram.scratchpad_bytes
+            and plan.acc_bytes() <= spec.sram.accumulator_bytes)
+
+
+def _view(t: Tile, rows: int, cols: int, dtype: str | None = None, byte_off: int = 0) -> Tile:
+    """The bytes of a packed tile seen as a packed [rows, cols] tile (optionally another dtype)."""
+    dt = dtype or t.dtype
+    nb = rows * DTYPES[dt].row_bytes(cols)
+    assert t.contiguous and byte_off + nb <= t.nbytes, (t, rows, cols, dt, byte_off)
+    return Tile(t.space, t.core, t.offset + byte_off, dt, rows, cols)
+
+
+class _Core:
+    """Emits one core's share of the engine (see the module docstring)."""
+
+    def __init__(self, kb: KernelBuilder, c: int, plan: _Plan, units: list[_Unit]) -> None:
+        self.kb, self.c, self.p, self.units = kb, c, plan, units
+        self.core = kb.core(c)
+        self.buf = {name: kb.sram(c, name, shape, dt) for name, shape, dt in plan.sram_buffers()}
+        r, tk, d = plan.r_max, plan.tk, plan.d
+        self.acc_s = [kb.acc(c, f"accs{s}", (r, tk)) for s in range(2)]
+        self.acc_o = [kb.acc(c, f"acco{s}", (r, d)) for s in range(2)]
+        names = ("consts", "qload", "qraw_free", "qready", "sdone", "sread",
+                 "pready", "pvdone", "oread", "fin", "stored")
+        names += tuple(f"{x}load{i}" for x in "kv" for i in range(plan.kv_queues))
+        self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
+        # Flattened steps: (unit index, step) in the order every engine walks them.
+        self.flat = [(u, st) for u, unit in enumerate(units) for st in unit.steps]
+        self.first, self.last = {}, {}
+        for j, (u, _) in enumerate(self.flat):
+            self.first.setdefault(u, j)
+            self.last[u] = j
+
+    def b(self, name: str, parity: int | None = None) -> Tile:
+        if parity is None:
+            return self.buf[name]
+        return self.buf[f"{name}{parity % (self.p.ring if name in ('qraw', 'outb') else 2)}"]
+
+    # -- DMA queues ---------------------------------------------------------------------------
+    def emit_loads(self, k_gate: tuple | None, v_gate: tuple | None) -> None:
+        """K tiles on queue 0 (and 2), V tiles on queue 1 (and 3), alternating: a signal on a
+        DMA queue waits for that queue's transfers in flight, so two queues per stream keep two
+        tiles in flight. A slot is reused once the matmul that read it is done.
+        ``k_gate``/``v_gate`` (semaphore, value): wait before the first load."""
+        p, nq = self.p, self.p.kv_queues
+        kqs = [self.core.dma[2 * i] for i in range(nq)]
+        vqs = [self.core.dma[2 * i + 1] for i in range(nq)]
+        for qs, gate in ((kqs, k_gate), (vqs, v_gate)):
+            for q in qs:
+                if gate is not None:
+                    q.wait(*gate)
+        for j, (_, st) in enumerate(self.flat):
+            slot, kq, vq = j % p.nbuf, kqs[j % nq], vqs[j % nq]
+            if j >= p.nbuf:  # the slot's previous tile has been multiplied
+                kq.wait(self.sem["sdone"], j - p.nbuf + 1)
+                vq.wait(self.sem["pvdone"], j - p.nbuf + 1)
+            k_dst, v_dst = self.buf[f"k{slot}"], self.buf[f"v{slot}"]
+            fp8 = p.kv_dtype != "bf16"
+            if st.idx is None:
+                kq.load(k_dst.sub(0, 0, p.d, st.n), st.k)
+                vq.load(_view(v_dst, st.n, p.d), st.v)
+                if fp8:
+                    kq.load(self.buf[f"ks{slot}"].sub(0, 0, p.d // 32, st.n), st.k_scale)
+                    vq.load(_view(self.buf[f"vs{slot}"], st.n // 32, p.d), st.v_scale)
+            else:
+                pages, ps = st.idx.rows, p.page_size
+                kq.gather(_view(k_dst, pages, p.d * ps), st.k, st.idx)
+                vq.gather(_view(v_dst, pages, ps * p.d), st.v, st.idx)
+                if fp8:
+                    kq.gather(_view(self.buf[f"ks{slot}"], pages, p.d // 32 * ps), st.k_scale, st.idx)
+                    vq.gather(_view(self.buf[f"vs{slot}"], pages, ps // 32 * p.d), st.v_scale, st.idx)
+            kq.signal(self.sem[f"kload{j % nq}"])
+            vq.signal(self.sem[f"vload{j % nq}"])
+
+    def emit_queries(self, consts: list[tuple[Tile, Tile]]) -> None:
+        """Queue 2: the constants, then each unit's query rows (and RoPE rows) into a ring of 2."""
+        q = self.core.dma[2]
+        for dst, src in consts:
+            q.load(dst, src)
+        q.signal(self.sem["consts"])
+        for u, unit in enumerate(self.units):
+            if u >= self.p.ring:  # ring slot free once the vector unit has rotated its last unit
+                q.wait(self.sem["qraw_free"], u - self.p.ring + 1)
+            raw, r0 = self.b("qraw", u), 0
+            for src in unit.q:  # heads stacked in rows
+                q.load(raw.sub(r0, 0, src.rows, self.p.d), src)
+                r0 += src.rows
+            if unit.cos is not None:
+                q.load(self.b("cos", u).sub(0, 0, unit.nq, self.p.d // 2), unit.cos)
+                q.load(self.b("sin", u).sub(0, 0, unit.nq, self.p.d // 2), unit.sin)
+            if self.p.ring < len(self.units):
+                q.signal(self.sem["qload"])
+        if self.units and self.p.ring >= len(self.units):
+            # Every unit has its own buffers: one signal (a fence) for all, so the loads overlap.
+            q.signal(self.sem["qload"], len(self.units))
+
+    def emit_stores(self) -> None:
+        q = self.core.dma[3]
+        for u, unit in enumerate(self.units):
+            q.wait(self.sem["fin"], u + 1)
+            ob, r0 = self.b("outb", u), 0
+            for dst in unit.out:
+                q.store(dst, ob.sub(r0, 0, dst.rows, self.p.d))
+                r0 += dst.rows
+            q.signal(self.sem["stored"])
+
+    # -- matrix unit --------------------------------------------------------------------------
+    def _s(self, j: int) -> None:
+        p, mxu = self.p, self.core.mxu
+        u, st = self.flat[j]
+        unit = self.units[u]
+        r, slot = unit.rows, j % p.nbuf
+        if j == self.first[u]:
+            mxu.wait(self.sem["qready"], u + 1)
+        nq = p.kv_queues
+        mxu.wait(self.sem[f"kload{j % nq}"], j // nq + 1)
+        if j >= 2:  # accumulators of tile j-2 have been read
+            mxu.wait(self.sem["sread"], j - 1)
+        q = self.b("qrot", u).sub(0, 0, r, p.d)
+        acc = self.acc_s[j % 2]
+        k, fp8 = self.buf[f"k{slot}"], p.kv_dtype != "bf16"
+        ks = self.buf.get(f"ks{slot}")
+        if st.idx is None:
+            mxu.matmul(acc.sub(0, 0, r, st.n), q, k.sub(0, 0, p.d, st.n),
+                       b_scale=ks.sub(0, 0, p.d // 32, st.n) if fp8 else None, mode="overwrite")
+        else:  # one matmul per page: each page is its own [D, page_size] K^T block
+            ps, esz = p.page_size, DTYPES[p.kv_dtype].bits // 8
+            for i in range(st.idx.rows):
+                kp = _view(k, p.d, ps, byte_off=i * p.d * ps * esz)
+                sp = _view(ks, p.d // 32, ps, byte_off=i * p.d // 32 * ps) if fp8 else None
+                mxu.matmul(acc.sub(0, i * ps, r, ps), q, kp, b_scale=sp, mode="overwrite")
+        mxu.signal(self.sem["sdone"])
+
+    def _pv(self, j: int) -> None:
+        p, mxu = self.p, self.core.mxu
+        u, st = self.flat[j]
+        r, slot = self.units[u].rows, j % p.nbuf
+        mxu.wait(self.sem["pready"], j + 1)
+        nq = p.kv_queues
+        mxu.wait(self.sem[f"vload{j % nq}"], j // nq + 1)
+        if j >= 2:
+            mxu.wait(self.sem["oread"], j - 1)
+        v = _view(self.buf[f"v{slot}"], st.n, p.d)
+        vs = _view(self.buf[f"vs{slot}"], st.n // 32, p.d) if p.kv_dtype != "bf16" else None
+        mxu.matmul(self.acc_o[j % 2].sub(0, 0, r, p.d), self.b("p", j).sub(0, 0, r, st.n), v,
+                   b_scale=vs, mode="overwrite")
+        mxu.signal(self.sem["pvdone"])
+
+    def emit_mxu(self) -> None:
+        """S(0), then S(j), P.V(j-1) alternately: S(j) overlaps the softmax of tile j-1."""
+        n = len(self.flat)
+        for j in range(n):
+            self._s(j)
+            if j:
+                self._pv(j - 1)
+        if n:
+            self._pv(n - 1)
+
+    # -- vector unit --------------------------------------------------------------------------
+    def _rope(self, u: int, cos_row: Tile | None, sin_row: Tile | None) -> None:
+        """Rotate-half RoPE of unit u's queries, times the softmax scale, rounded to BF16."""
+        p, v = self.p, self.core.vpu
+        unit = self.units[u]
+        h2 = p.d // 2
+        v.wait(self.sem["qload"], u + 1)
+        raw, rot = self.b("qraw", u), self.b("qrot", u)
+        if unit.nq == 1:  # decode: one position for every row, cos/sin broadcast along rows
+            blocks = [(0, unit.rows, cos_row, sin_row)]
+        else:  # prefill: per head, per-position tables of the unit's tokens
+            cs = self.b("cos", u).sub(0, 0, unit.nq, h2)
+            sn = self.b("sin", u).sub(0, 0, unit.nq, h2)
+            blocks = [(h * unit.nq, unit.nq, cs, sn) for h in range(unit.heads)]
+        for r0, n, cs, sn in blocks:
+            x1, x2 = raw.sub(r0, 0, n, h2), raw.sub(r0, h2, n, h2)
+            t1, t2 = self.buf["t1"].sub(0, 0, n, h2), self.buf["t2"].sub(0, 0, n, h2)
+            v.mul(t1, x1, cs)
+            v.mul(t2, x2, sn)
+            v.sub(t1, t1, t2)
+            v.scale(rot.sub(r0, 0, n, h2), t1, p.scale)
+            v.mul(t1, x2, cs)
+            v.mul(t2, x1, sn)
+            v.add(t1, t1, t2)
+            v.scale(rot.sub(r0, h2, n, h2), t1, p.scale)
+        v.signal(self.sem["qraw_free"])
+        v.signal(self.sem["qready"])
+
+    def _softmax(self, j: int, sinks: Tile | None) -> None:
+        v = self.core.vpu
+        u, st = self.flat[j]
+        unit = self.units[u]
+        r, n, first = unit.rows, st.n, j == self.first[u]
+        col = lambda name, par=None: self.b(name, par).sub(0, 0, r, 1)  # noqa: E731
+        s = self.buf["s"].sub(0, 0, r, n)
+        v.wait(self.sem["sdone"], j + 1)
+        v.acc_read(s, self.acc_s[j % 2].sub(0, 0, r, n))
+        v.signal(self.sem["sread"])
+        if st.mask is not None:
+            if st.mask.rows == 1:
+                v.add(s, s, st.mask)
+            else:
+                for h in range(unit.heads):
+                    sh = s.sub(h * unit.nq, 0, unit.nq, n)
+                    v.add(sh, sh, st.mask)
+        m, alpha, mt = col("m", j), col("alpha", j), col("mt")
+        if first:
+            if sinks is None:
+                v.reduce("max", m, s)
+            else:  # the sink logit joins the max and (below) the denominator
+                v.reduce("max", mt, s)
+                self._per_head(unit, sinks, lambda dst, a, b: v.max(dst, a, b), m, mt)
+                self._per_head(unit, sinks, lambda dst, a, b: v.sub(dst, a, b), alpha, m)
+                v.neg(alpha, alpha)
+                v.exp(alpha, alpha)
+        else:
+            m_old = col("m", j - 1)
+            v.reduce("max", mt, s)
+            v.max(m, mt, m_old)
+            v.sub(alpha, m_old, m)
+            v.exp(alpha, alpha)
+        v.sub(s, s, m)
+        pb = self.b("p", j).sub(0, 0, r, n)
+        v.exp(pb, s)
+        v.signal(self.sem["pready"])
+        lsum = col("l", u)
+        if first and sinks is None:
+            v.reduce("sum", lsum, pb)
+        else:
+            rs = col("rs")
+            v.reduce("sum", rs, pb)
+            if first:
+                v.add(lsum, alpha, rs)
+            else:
+                v.mul(lsum, lsum, alpha)
+                v.add(lsum, lsum, rs)
+
+    @staticmethod
+    def _per_head(unit: _Unit, sinks: Tile, op, dst: Tile, a: Tile) -> None:
+        """dst = op(a, sink of each row's head); decode rows are one per head already."""
+        if unit.nq == 1:
+            op(dst, a, sinks.sub(unit.sink_row, 0, unit.rows, 1))
+            return
+        for h in range(unit.heads):  # the head's [1, 1] sink broadcasts over its nq rows
+            r0 = h * unit.nq
+            op(dst.sub(r0, 0, unit.nq, 1), a.sub(r0, 0, unit.nq, 1), sinks.sub(unit.sink_row + h, 0, 1, 1))
+
+    def _update(self, j: int) -> None:
+        v, d = self.core.vpu, self.p.d
+        u, _ = self.flat[j]
+        r = self.units[u].rows
+        big = self.b("O", u).sub(0, 0, r, d)
+        v.wait(self.sem["pvdone"], j + 1)
+        if j == self.first[u]:
+            v.acc_read(big, self.acc_o[j % 2].sub(0, 0, r, d))
+            v.signal(self.sem["oread"])
+            return
+        o = self.buf["o"].sub(0, 0, r, d)
+        v.acc_read(o, self.acc_o[j % 2].sub(0, 0, r, d))
+        v.signal(self.sem["oread"])
+        v.mul(big, big, self.b("alpha", j).sub(0, 0, r, 1))
+        v.add(big, big, o)
+
+    def _finalize(self, u: int) -> None:
+        v, d = self.core.vpu, self.p.d
+        r = self.units[u].rows
+        if u >= self.p.ring:  # the ring slot's previous unit has been stored
+            v.wait(self.sem["stored"], u - self.p.ring + 1)
+        rcp = self.buf["rcp"].sub(0, 0, r, 1)
+        v.recip(rcp, self.b("l", u).sub(0, 0, r, 1))
+        v.mul(self.b("outb", u).sub(0, 0, r, d), self.b("O", u).sub(0, 0, r, d), rcp)
+        v.signal(self.sem["fin"])
+
+    def emit_vpu(self, sinks: Tile | None, cos_row: Tile | None, sin_row: Tile | None) -> None:
+        """Rotate unit u+1's queries before the first softmax of unit u; softmax(j) then
+        update(j-1), so the vector unit never waits on the P.V it has just enabled."""
+        v = self.core.vpu
+        v.wait(self.sem["consts"], 1)
+        if not self.units:
+            return
+        self._rope(0, cos_row, sin_row)
+        n = len(self.flat)
+        for j in range(n):
+            u, _ = self.flat[j]
+            if j == self.first[u] and u + 1 < len(self.units):
+                self._rope(u + 1, cos_row, sin_row)
+            self._softmax(j, sinks)
+            if j:
+                self._update(j - 1)
+                pu = self.flat[j - 1][0]
+                if j - 1 == self.last[pu]:
+                    self._finalize(pu)
+        self._update(n - 1)
+        self._finalize(self.flat[n - 1][0])
+
+
+def _assign(units: list[_Unit], work: list[int], cores: int) -> list[list[_Unit]]:
+    """Longest-processing-time-first: each unit (``work``: its KV tiles) to the least-loaded core;
+    a core keeps its units in their original order."""
+    load = [0] * cores
+    out: list[list[tuple[int, _Unit]]] = [[] for _ in range(cores)]
+    for i in sorted(range(len(units)), key=lambda i: -work[i]):
+        c = min(range(cores), key=lambda k: (load[k], k))
+        load[c] += work[i] + 1
+        out[c].append((i, units[i]))
+    return [[u for _, u in sorted(lst, key=lambda t: t[0])] for lst in out]
+
+
+# --- references ---------------------------------------------------------------------------------
+def _f32(x) -> jnp.ndarray:
+    return jnp.asarray(np.asarray(x, np.float32))
+
+
+def _rope_ref(x, cos, sin, scale: float | None):
+    """Rotate-half in FP32 with the kernel's roundings; BF16 result (times ``scale`` if given)."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    a = x1 * cos - x2 * sin
+    b = x2 * cos + x1 * sin
+    if scale is not None:
+        a, b = a * jnp.float32(scale), b * jnp.float32(scale)
+    return jnp.concatenate([a, b], axis=-1).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames="tiles")
+def _flash_ref_jit(q, kt, v, valid, tiles, sink):
+    return _flash_ref(q, kt, v, valid, tiles, sink)
+
+
+def _flash_ref(q, kt, v, valid, tiles, sink):
+    """Online softmax over ``tiles`` with the kernel's roundings, batched over leading axes.
+
+    Args:
+        q: float32[..., R, D] (BF16 values, rotated and scaled); kt: float32[..., D, N];
+        v: float32[..., N, D]; valid: bool[..., R, N] keys each row may see (broadcastable);
+        tiles: [(start, n)] in processing order; sink: float32[..., R] sink logits, or None.
+    Returns:
+        float32[..., R, D] of BF16 values.
+    """
+    mask = jnp.where(valid, jnp.float32(0), jnp.float32(MASK_VALUE))
+    hi = "highest"
+    m = lsum = o_acc = None
+    for t, (t0, n) in enumerate(tiles):
+        s = jnp.matmul(q, kt[..., t0:t0 + n], precision=hi) + mask[..., t0:t0 + n]
+        mt = s.max(axis=-1, keepdims=True)
+        if t == 0:
+            m_new = mt if sink is None else jnp.maximum(mt, sink[..., None])
+            alpha = None if sink is None else jnp.exp(-(m_new - sink[..., None]))
+        else:
+            m_new = jnp.maximum(mt, m)
+            alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new).astype(jnp.bfloat16).astype(jnp.float32)
+        rs = p.sum(axis=-1, keepdims=True)
+        o = jnp.matmul(p, v[..., t0:t0 + n, :], precision=hi)
+        if t == 0:
+            l_new = rs if sink is None else alpha + rs
+            o_acc = o
+        else:
+            l_new = lsum * alpha + rs
+            o_acc = o_acc * alpha + o
+        m, lsum = m_new, l_new
+    return (o_acc * (jnp.float32(1) / lsum)).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def naive_attention(q, k, v, valid, sinks=None) -> np.ndarray:
+    """Textbook softmax attention in float64 (no tiling, no roundings): the check on the references.
+
+    Args:
+        q: [R, D] (already rotated and scaled); k: [N, D]; v: [N, D]; valid: bool[R, N];
+        sinks: [R] sink logits or None.
+    """
+    s = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+    s = np.where(valid, s, -np.inf)
+    if sinks is not None:
+        s = np.concatenate([s, np.asarray(sinks, np.float64)[:, None]], axis=1)
+    s = np.exp(s - s.max(axis=1, keepdims=True))
+    p = s / s.sum(axis=1, keepdims=True)
+    return p[:, :v.shape[0]] @ np.asarray(v, np.float64)
+
+
+def _mx_values(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 values of MXFP8 E4M3 codes blocked by 32 along axis 0."""
+    return np.asarray(mx.dequantize(mx.MXArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales),
+                                               fmt="e4m3", axis=0, block_size=32)))
+
+
+def _quantize_fp8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, scales) of ``x`` in MXFP8 E4M3, blocked by 32 along axis 0."""
+    q = mx.quantize(jnp.asarray(x, jnp.float32), "e4m3", axis=0)
+    return np.asarray(q.codes), np.asarray(q.scales)
+
+
+# --- attention-decode ---------------------------------------------------------------------------
+def _decode_tiles(lo: int, cap: int, tk: int, align: int) -> list[tuple[int, int]]:
+    """KV tiles (start, n) covering [lo, cap): from lo rounded down to ``align``, ``tk`` at a time."""
+    start = lo // align * align
+    return [(t0, min(tk, cap - t0)) for t0 in range(start, cap, tk)]
+
+
+def _decode_plan(shape: dict[str, Any], spec: ChipSpec) -> tuple[_Plan, int]:
+    b, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
+    ps, kvd = shape["page_size"], shape["kv_dtype"]
+    _check_common(shape)
+    if ps < 0:
+        raise InvalidArgumentError(f"shape key page_size={ps} must be >= 0 (0: contiguous cache)")
+    if ps:
+        if ps % 32:
+            raise InvalidArgumentError(f"shape key page_size={ps} must be a multiple of 32: "
+                                       "P.V contracts over tokens in 32-token matrix-unit blocks")
+        if ctx % ps:
+            raise InvalidArgumentError(f"shape key page_size={ps} must divide context={ctx}")
+    cap = ctx if ps else -(-ctx // 32) * 32
+    span = cap - (max(0, ctx - shape["window"]) // 32 * 32 if shape["window"] else 0)
+    units = -(-b * hkv // spec.core.count)
+    align = ps or 32
+    wide = -(-span // align) * align  # no point in tiles wider than the keys a unit sees
+    cands = [tk for tk in _DECODE_TILES if tk % align == 0 and tk <= max(wide, align)]
+    for tk in cands or [align]:
+        plan = _Plan(hpk=hq // hkv, d=d, tk=tk, nq_max=1, nbuf=_NBUF, kv_dtype=kvd,
+                     sinks=shape["sinks"], scale=1 / math.sqrt(d), page_size=ps,
+                     ring=units if 2 < units <= _MAX_RING else 2)
+        consts = 4 * hq + 2 * 4 * tk + 4 * d + (4 * units * (cap // ps) if ps else 0) + 1024
+        if _fits(plan, spec, consts):
+            return plan, cap
+    raise InvalidArgumentError(
+        f"shape key head_dim={d} with q_heads/kv_heads={hq // hkv}"
+        + (f" and page_size={ps}" if ps else "")
+        + f": one KV tile does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad "
+        f"({_NBUF} slots in flight) or {spec.sram.accumulator_bytes:,} B of accumulators")
+
+
+def build_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """attention-decode: one new token per sequence against a KV cache (see the module doc)."""
+    plan, cap = _decode_plan(shape, spec)
+    bsz, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
+    w, ps, kvd, hpk = shape["window"], shape["page_size"], shape["kv_dtype"], plan.hpk
+    fp8 = kvd != "bf16"
+    lo = max(0, ctx - w) if w else 0
+    tiles = _decode_tiles(lo, cap, plan.tk, ps or 32)
+    # Host masks: the tile holding the window's first key, and the tile holding the padding.
+    mask_rows: dict[int, np.ndarray] = {}
+    for t0, n in tiles:
+        cols = np.arange(t0, t0 + n)
+        ok = (cols >= lo) & (cols < ctx)
+        if not ok.all():
+            row = np.zeros(plan.tk, np.float32)
+            row[:n] = np.where(ok, 0, MASK_VALUE)
+            mask_rows[t0] = row
+    mask_order = sorted(mask_rows)
+    pages_per_seq = cap // ps if ps else 0
+    pad_k = spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits  # K^T row padding, elements
+    pad_s = spec.hbm.interleave_bytes  # of the E8M0 scale rows
+    n_pages = bsz * pages_per_seq
+
+    kb = KernelBuilder(f"attention_decode_b{bsz}_ctx{ctx}", chip=spec)
+    q_h = kb.hbm("q", (bsz * hq, d), "bf16")
+    out_h = kb.hbm("out", (bsz * hq, d), "bf16")
+    cos_h, sin_h = kb.hbm("rope_cos", (ctx, d // 2), "f32"), kb.hbm("rope_sin", (ctx, d // 2), "f32")
+    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
+    mask_h = kb.hbm("mask", (len(mask_order), plan.tk), "f32") if mask_order else None
+    if ps:
+        table_h = kb.hbm("block_table", (bsz, pages_per_seq), "i32")
+        k_h = kb.hbm("k_cache", (n_pages, hkv * d * ps), kvd)
+        v_h = kb.hbm("v_cache", (n_pages, hkv * ps * d), kvd)
+        if fp8:
+            ks_h = kb.hbm("k_cache.scales", (n_pages, hkv * d // 32 * ps), "e8m0")
+            vs_h = kb.hbm("v_cache.scales", (n_pages, hkv * ps // 32 * d), "e8m0")
+    else:
+        # K^T rows are padded by one interleave granule: a row stride that is a multiple of the
+        # channel round would put every row of a K tile on the same few pseudo-channels.
+        k_h = kb.hbm("k_cache", (bsz * hkv * d, cap + pad_k), kvd)
+        v_h = kb.hbm("v_cache", (bsz * hkv * cap, d), kvd)
+        if fp8:
+            ks_h = kb.hbm("k_cache.scales", (bsz * hkv * d // 32, cap + pad_s), "e8m0")
+            vs_h = kb.hbm("v_cache.scales", (bsz * hkv * cap // 32, d), "e8m0")
+
+    units = [_Unit(heads=hpk, nq=1, q=[q_h.sub(bb * hq + g * hpk, 0, hpk, d)],
+                   out=[out_h.sub(bb * hq + g * hpk, 0, hpk, d)], sink_row=g * hpk, key=(bb, g))
+             for bb in range(bsz) for g in range(hkv)]
+    cores = min(spec.core.count, len(units))
+    chunk = -(-len(units) // cores)
+    for c in range(cores):
+        mine = units[c * chunk:(c + 1) * chunk]
+        if not mine:
+            continue
+        consts: list[tuple[Tile, Tile]] = []
+        cos_row = kb.sram(c, "cos_row", (1, d // 2), "f32")
+        sin_row = kb.sram(c, "sin_row", (1, d // 2), "f32")
+        consts += [(cos_row, cos_h.sub(ctx - 1, 0, 1, d // 2)), (sin_row, sin_h.sub(ctx - 1, 0, 1, d // 2))]
+        sinks_s = None
+        if sinks_h is not None:
+            sinks_s = kb.sram(c, "sinks", (hq, 1), "f32")
+            consts.append((sinks_s, sinks_h))
+        masks_s = None
+        if mask_h is not None:
+            masks_s = kb.sram(c, "masks", (len(mask_order), plan.tk), "f32")
+            consts.append((masks_s, mask_h))
+        seqs = sorted({u.key[0] for u in mine})
+        if ps:
+            tbl = kb.sram(c, "table", (len(seqs) * pages_per_seq, 1), "i32")
+            for i, sq in enumerate(seqs):
+                consts.append((tbl.sub(i * pages_per_seq, 0, pages_per_seq, 1),
+                               _view(table_h.sub(sq, 0, 1, pages_per_seq), pages_per_seq, 1)))
+        for unit in mine:
+            bb, g = unit.key
+            for t0, n in tiles:
+                st = _Step(n=n)
+                if t0 in mask_rows:
+                    st.mask = masks_s.sub(mask_order.index(t0), 0, 1, n)
+                if ps:
+                    st.idx = tbl.sub(seqs.index(bb) * pages_per_seq + t0 // ps, 0, n // ps, 1)
+                    st.k = k_h.sub(0, g * d * ps, n_pages, d * ps)
+                    st.v = v_h.sub(0, g * ps * d, n_pages, ps * d)
+                    if fp8:
+                        st.k_scale = ks_h.sub(0, g * d // 32 * ps, n_pages, d // 32 * ps)
+                        st.v_scale = vs_h.sub(0, g * ps // 32 * d, n_pages, ps // 32 * d)
+                else:
+                    row = bb * hkv + g
+                    st.k = k_h.sub(row * d, t0, d, n)
+                    st.v = v_h.sub(row * cap + t0, 0, n, d)
+                    if fp8:
+                        st.k_scale = ks_h.sub(row * d // 32, t0, d // 32, n)
+                        st.v_scale = vs_h.sub((row * cap + t0) // 32, 0, n // 32, d)
+                unit.steps.append(st)
+        em = _Core(kb, c, plan, mine)
+        em.emit_queries(consts)
+        gate = (em.sem["consts"], 1) if ps else None  # the gathers read the block table
+        em.emit_loads(gate, gate)
+        em.emit_mxu()
+        em.emit_vpu(sinks_s, cos_row, sin_row)
+        em.emit_stores()
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        rng = np.random.default_rng(seed)
+        cos, sin = yarn_cos_sin(ctx, d)
+        kt = rng.standard_normal((bsz, hkv, d, cap)).astype(np.float32)
+        vv = rng.standard_normal((bsz, hkv, cap, d)).astype(np.float32)
+        ins: dict[str, Any] = {
+            "q": rng.standard_normal((bsz * hq, d)).astype(_BF16), "rope_cos": cos, "rope_sin": sin}
+        if plan.sinks:
+            ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
+        if mask_order:
+            ins["mask"] = np.stack([mask_rows[t] for t in mask_order])
+        if fp8:
+            kc, kscale = _quantize_fp8(kt.reshape(bsz * hkv * d, cap))
+            vc, vscale = _quantize_fp8(vv.reshape(bsz * hkv * cap, d))
+            kc, kscale = kc.reshape(bsz, hkv, d, cap), kscale.reshape(bsz, hkv, d // 32, cap)
+            vc, vscale = vc.reshape(bsz, hkv, cap, d), vscale.reshape(bsz, hkv, cap // 32, d)
+        else:
+            kc, vc = kt.astype(_BF16), vv.astype(_BF16)
+        if not ps:
+            ins["k_cache"] = np.pad(kc.reshape(-1, cap), ((0, 0), (0, pad_k)))
+            ins["v_cache"] = vc.reshape(-1, d)
+            if fp8:
+                ins["k_cache.scales"] = np.pad(kscale.reshape(-1, cap), ((0, 0), (0, pad_s)))
+                ins["v_cache.scales"] = vscale.reshape(-1, d)
+            return ins
+        table = rng.permutation(n_pages).reshape(bsz, pages_per_seq).astype(np.int32)
+        ins["block_table"] = table
+
+        def pool(x, tok_axis, per_page):
+            # x: [B, G, a, b] logical; page j of sequence b goes to physical page table[b, j].
+            pages = np.split(x, x.shape[tok_axis] // per_page, axis=tok_axis)
+            out = np.empty((n_pages, *pages[0].shape[1:]), x.dtype)
+            for jj, pg in enumerate(pages):
+                out[table[:, jj]] = pg
+            return out.reshape(n_pages, -1)
+
+        ins["k_cache"], ins["v_cache"] = pool(kc, 3, ps), pool(vc, 2, ps)
+        if fp8:
+            ins["k_cache.scales"] = pool(kscale, 3, ps)
+            ins["v_cache.scales"] = pool(vscale, 2, ps // 32)
+        return ins
+
+    def reference(inputs):
+        return {"out": np.asarray(decode_reference(inputs, shape, tiles))}
+
+    notes = {"tile_keys": plan.tk, "kv_tiles_per_unit": len(tiles), "units": len(units),
+             "cores": cores, "kv_slots": plan.nbuf, "masked_tiles": len(mask_order)}
+    return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
+                       outputs={"out": ("bf16", (bsz * hq, d))}, tolerance=_TOL, notes=notes)
+
+
+def decode_logical_cache(inputs, shape) -> tuple[np.ndarray, np.ndarray]:
+    """The cache as the model sees it: (K^T float32[B, G, D, cap], V float32[B, G, cap, D]),
+    read from the HBM inputs (pools through the block table, FP8 dequantised)."""
+    bsz, ctx, hkv, d, ps = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "page_size"))
+    fp8 = shape["kv_dtype"] != "bf16"
+    k, v = (np.asarray(inputs[n]) if fp8 else np.asarray(inputs[n], np.float32)
+            for n in ("k_cache", "v_cache"))
+    ks, vs = (np.asarray(inputs[f"{n}.scales"]) if fp8 else None for n in ("k_cache", "v_cache"))
+    if not ps:
+        cap = -(-ctx // 32) * 32
+        k = k[:, :cap]  # drop the row padding
+        if fp8:
+            k, v = _mx_values(k, ks[:, :cap]), _mx_values(v, vs)
+        return k.reshape(bsz, hkv, d, cap), v.reshape(bsz, hkv, cap, d)
+    table = np.asarray(inputs["block_table"])
+    npg = ctx // ps
+    kt = np.concatenate([k[table[:, j]].reshape(bsz, hkv, d, ps) for j in range(npg)], axis=3)
+    vv = np.concatenate([v[table[:, j]].reshape(bsz, hkv, ps, d) for j in range(npg)], axis=2)
+    if fp8:
+        kts = np.concatenate([ks[table[:, j]].reshape(bsz, hkv, d // 32, ps) for j in range(npg)], axis=3)
+        vvs = np.concatenate([vs[table[:, j]].reshape(bsz, hkv, ps // 32, d) for j in range(npg)], axis=2)
+        kt = _mx_values(kt.reshape(-1, ctx), kts.reshape(-1, ctx)).reshape(bsz, hkv, d, ctx)
+        vv = _mx_values(vv.reshape(-1, d), vvs.reshape(-1, d)).reshape(bsz, hkv, ctx, d)
+    return kt.astype(np.float32), vv.astype(np.float32)
+
+
+def decode_queries(inputs, shape) -> np.ndarray:
+    """float32[B, Hq, D]: the queries rotated at position context-1 and scaled, BF16 values."""
+    bsz, ctx, hq, d = (shape[k] for k in ("batch", "context", "q_heads", "head_dim"))
+    q = _f32(np.asarray(inputs["q"], np.float32)).reshape(bsz, hq, d)
+    cos = _f32(inputs["rope_cos"])[ctx - 1]
+    sin = _f32(inputs["rope_sin"])[ctx - 1]
+    return np.asarray(_rope_ref(q, cos, sin, 1 / math.sqrt(d)))
+
+
+def decode_reference(inputs, shape, tiles) -> np.ndarray:
+    """Pure-JAX decode attention with the kernel's roundings: BF16 values, float32[B*Hq, D].
+
+    Masking comes from positions (keys in [context - window, context) are visible), not from
+    the kernel's mask tiles; ``tiles`` [(start, n)] is the KV tiling the online softmax walks.
+    """
+    bsz, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
+    w, hpk = shape["window"], hq // hkv
+    kt, vv = decode_logical_cache(inputs, shape)
+    qr = decode_queries(inputs, shape)
+    keys = np.arange(kt.shape[-1])
+    valid = (keys < ctx) & (keys >= (ctx - w if w else 0))
+    valid = np.broadcast_to(valid, (hpk, len(keys)))
+    sinks = None
+    if shape["sinks"]:
+        sinks = _f32(np.broadcast_to(np.asarray(inputs["sinks"], np.float32).reshape(1, hkv, hpk),
+                                     (bsz, hkv, hpk)))
+    out = _flash_ref_jit(_f32(qr.reshape(bsz, hkv, hpk, d)), _f32(kt), _f32(vv), valid, tuple(tiles), sinks)
+    out = np.asarray(out)
+    return out.reshape(bsz * hq, d)
+
+
+_TOL = Tolerance(
+    atol=2e-3, rtol=2.0**-7,
+    why="the matrix unit sums each 32-element block in order and XLA's dot does not, and the "
+        "vector unit's row sums run in column order: scores and sums differ in the last FP32 "
+        "bits, which can flip a BF16 rounding of P or of the output (one BF16 ulp, 2^-8 relative)")
+
+
+_COMMON_KEYS = (
+    ShapeKey("q_heads", int, 4, "query heads (gpt-oss-120b: 64)", minimum=1),
+    ShapeKey("kv_heads", int, 2, "KV heads; q_heads must be a multiple (gpt-oss-120b: 8)", minimum=1),
+    ShapeKey("head_dim", int, 64, "head dimension, a multiple of 32 (gpt-oss-120b: 64)", minimum=32),
+    ShapeKey("window", int, 0, "sliding window in tokens, 0 = full (gpt-oss sliding layers: 128)"),
+    ShapeKey("sinks", bool, True, "one learned sink logit per query head (gpt-oss)"),
+    ShapeKey("kv_dtype", str, "bf16", "KV cache element type; fp8e4 = MXFP8 E4M3, 32-blocks",
+             choices=("bf16", "fp8e4")),
+)
+
+ATTENTION_DECODE = register(KernelDef(
+    name="attention-decode",
+    doc="Flash decode attention: one query token per sequence against a (paged, BF16 or MXFP8) "
+        "KV cache; GQA, sliding window, sinks, YaRN RoPE on q.",
+    shape_keys=(
+        ShapeKey("batch", int, 2, "sequences, one new token each", minimum=1),
+        ShapeKey("context", int, 256, "tokens in each sequence's cache, the new one included",
+                 minimum=1),
+        *_COMMON_KEYS,
+        ShapeKey("page_size", int, 0, "tokens per KV page, a multiple of 32 dividing context; "
+                 "0 = contiguous cache"),
+    ),
+    build=build_decode,
+))
+
+
+# --- attention-prefill --------------------------------------------------------------------------
+def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _Plan:
+    _check_common(shape)
+    seq, hq, hkv, d = (shape[k] for k in ("seq", "q_heads", "kv_heads", "head_dim"))
+    if shape["kv_dtype"] != "bf16":
+        raise InvalidArgumentError(
+            f"shape key kv_dtype={shape['kv_dtype']!r}: prefill attends over the BF16 K and V of "
+            "its projections; FP8 applies to the decode cache")
+    if seq % 32:
+        raise InvalidArgumentError(f"shape key seq={seq} must be a multiple of 32: P.V contracts "
+                                   "over keys in 32-token matrix-unit blocks (pad the prompt)")
+    for t in _PREFILL_TILES:
+        if t > max(32, seq):
+            continue
+        for nbuf in (_NBUF, 2):  # prefill is vector-bound: two KV slots in flight are enough
+            plan = _Plan(hpk=hq // hkv, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16",
+                         sinks=shape["sinks"], scale=1 / math.sqrt(d), page_size=0)
+            # sinks, mask patterns, phase-1 buffers (K^T in/out, cos, sin, 2 temps; x2)
+            n_masks = 1 + (-(-shape["window"] // t) if shape["window"] else 0)
+            extra = 4 * hq + n_masks * 4 * t * t + 2 * (2 * 2 * d * t + 4 * 4 * (d // 2) * t) + 1024
+            if _fits(plan, spec, extra):
+                return plan
+    raise InvalidArgumentError(
+        f"shape key head_dim={d} with q_heads/kv_heads={hq // hkv}: one 32-token query tile of "
+        f"every head of a KV group does not fit {spec.name}'s scratchpad or accumulators")
+
+
+def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
+    """bool[nq, nk]: query position q0+i sees key k0+c (causal, within the window)."""
+    qp = np.arange(q0, q0 + nq)[:, None]
+    kp = np.arange(k0, k0 + nk)[None, :]
+    ok = kp <= qp
+    if w:
+        ok &= kp > qp - w
+    return ok
+
+
+def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """attention-prefill: causal attention over ``seq`` new tokens (see the module doc)."""
+    plan = _prefill_plan(shape, spec)
+    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
+    w, hpk, t, h2 = shape["window"], plan.hpk, plan.tk, d // 2
+    n_tiles = -(-seq // t)
+    # Mask patterns depend only on how far the key tile is behind the query tile (delta).
+    patterns: dict[int, np.ndarray] = {}
+    unit_tiles: dict[int, list[tuple[int, int, int | None]]] = {}  # qi -> [(k0, n, delta or None)]
+    for qi in range(n_tiles):
+        q0, nq = qi * t, min(t, seq - qi * t)
+        lst = []
+        for kj in range(qi + 1):
+            k0, nk = kj * t, min(t, seq - kj * t)
+            ok = _prefill_valid(q0, k0, nq, nk, w)
+            if not ok.any():
+                continue
+            delta = None
+            if not ok.all():
+                delta = qi - kj
+                if delta not in patterns:
+                    patterns[delta] = np.where(_prefill_valid(delta * t, 0, t, t, w), 0,
+                                               MASK_VALUE).astype(np.float32)
+            lst.append((k0, nk, delta))
+        unit_tiles[qi] = lst
+    deltas = sorted(patterns)
+
+    kb = KernelBuilder(f"attention_prefill_b{bsz}_seq{seq}", chip=spec)
+    q_h = kb.hbm("q", (bsz * seq, hq * d), "bf16")
+    k_h = kb.hbm("k", (bsz * hkv * d, seq), "bf16")
+    v_h = kb.hbm("v", (bsz * seq, hkv * d), "bf16")
+    out_h = kb.hbm("out", (bsz * seq, hq * d), "bf16")
+    kc_h = kb.hbm("k_cache", (bsz * hkv * d, seq), "bf16")
+    cos_h, sin_h = kb.hbm("rope_cos", (seq, h2), "f32"), kb.hbm("rope_sin", (seq, h2), "f32")
+    cost_h, sint_h = kb.hbm("rope_cos_t", (h2, seq), "f32"), kb.hbm("rope_sin_t", (h2, seq), "f32")
+    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
+    mask_h = kb.hbm("mask", (len(deltas) * t, t), "f32") if deltas else None
+
+    units = []
+    for bb in range(bsz):
+        for g in range(hkv):
+            for qi in range(n_tiles):
+                q0, nq = qi * t, min(t, seq - qi * t)
+                heads = range(g * hpk, (g + 1) * hpk)
+                unit = _Unit(heads=hpk, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                             out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                             sink_row=g * hpk, cos=cos_h.sub(q0, 0, nq, h2), sin=sin_h.sub(q0, 0, nq, h2),
+                             key=(bb, g, qi))
+                units.append(unit)
+    cores = min(spec.core.count, len(units))
+    per_core = _assign(units, [len(unit_tiles[u.key[2]]) for u in units], cores)
+
+    # Phase 1: rotate K^T into k_cache, column chunks spread over the cores.
+    chunks = [(row, c0, min(t, seq - c0)) for row in range(bsz * hkv) for c0 in range(0, seq, t)]
+    p1_cores = min(spec.core.count, len(chunks))
+    kdone = kb.semaphore("kcache_written")
+    for c in range(p1_cores):
+        core = kb.core(c)
+        mine = chunks[c::p1_cores]
+        kin = [kb.sram(c, f"p1k{s}", (d, t), "bf16") for s in range(2)]
+        kout = [kb.sram(c, f"p1o{s}", (d, t), "bf16") for s in range(2)]
+        cs = [kb.sram(c, f"p1c{s}", (h2, t), "f32") for s in range(2)]
+        sn = [kb.sram(c, f"p1s{s}", (h2, t), "f32") for s in range(2)]
+        tmp = [kb.sram(c, f"p1t{s}", (h2, t), "f32") for s in range(2)]
+        loaded, roped, stored = (kb.semaphore(f"c{c}.p1{n}") for n in ("loaded", "roped", "stored"))
+        ld, vpu, st = core.dma[0], core.vpu, core.dma[3]
+        for i, (row, c0, n) in enumerate(mine):
+            s = i % 2
+            if i >= 2:
+                ld.wait(roped, i - 1)
+            ld.load(kin[s].sub(0, 0, d, n), k_h.sub(row * d, c0, d, n))
+            ld.load(cs[s].sub(0, 0, h2, n), cost_h.sub(0, c0, h2, n))
+            ld.load(sn[s].sub(0, 0, h2, n), sint_h.sub(0, c0, h2, n))
+            ld.signal(loaded)
+            vpu.wait(loaded, i + 1)
+            if i >= 2:
+                vpu.wait(stored, i - 1)
+            x1, x2 = kin[s].sub(0, 0, h2, n), kin[s].sub(h2, 0, h2, n)
+            c_, s_ = cs[s].sub(0, 0, h2, n), sn[s].sub(0, 0, h2, n)
+            t1, t2 = tmp[0].sub(0, 0, h2, n), tmp[1].sub(0, 0, h2, n)
+            vpu.mul(t1, x1, c_)
+            vpu.mul(t2, x2, s_)
+            vpu.sub(kout[s].sub(0, 0, h2, n), t1, t2)
+            vpu.mul(t1, x2, c_)
+            vpu.mul(t2, x1, s_)
+            vpu.add(kout[s].sub(h2, 0, h2, n), t1, t2)
+            vpu.signal(roped)
+            st.wait(roped, i + 1)
+            st.store(kc_h.sub(row * d, c0, d, n), kout[s].sub(0, 0, d, n))
+            st.signal(stored)
+        st.signal(kdone)
+
+    for c in range(cores):
+        mine = per_core[c]
+        if not mine:
+            continue
+        consts: list[tuple[Tile, Tile]] = []
+        sinks_s = masks_s = None
+        if sinks_h is not None:
+            sinks_s = kb.sram(c, "sinks", (hq, 1), "f32")
+            consts.append((sinks_s, sinks_h))
+        if mask_h is not None:
+            masks_s = kb.sram(c, "masks", (len(deltas) * t, t), "f32")
+            consts.append((masks_s, mask_h))
+        for unit in mine:
+            bb, g, qi = unit.key
+            row = bb * hkv + g
+            for k0, nk, delta in unit_tiles[qi]:
+                st = _Step(n=nk, k=kc_h.sub(row * d, k0, d, nk), v=v_h.sub(bb * seq + k0, g * d, nk, d))
+                if delta is not None:
+                    st.mask = masks_s.sub(deltas.index(delta) * t, 0, unit.nq, nk)
+                unit.steps.append(st)
+        em = _Core(kb, c, plan, mine)
+        em.emit_queries(consts)
+        em.emit_loads((kdone, p1_cores), None)  # K^T once every core has rotated its share
+        em.emit_mxu()
+        em.emit_vpu(sinks_s, None, None)
+        em.emit_stores()
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        rng = np.random.default_rng(seed)
+        cos, sin = yarn_cos_sin(seq, d)
+        ins = {"q": rng.standard_normal((bsz * seq, hq * d)).astype(_BF16),
+               "k": rng.standard_normal((bsz * hkv * d, seq)).astype(_BF16),
+               "v": rng.standard_normal((bsz * seq, hkv * d)).astype(_BF16),
+               "rope_cos": cos, "rope_sin": sin,
+               "rope_cos_t": np.ascontiguousarray(cos.T), "rope_sin_t": np.ascontiguousarray(sin.T)}
+        if plan.sinks:
+            ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
+        if deltas:
+            ins["mask"] = np.concatenate([patterns[dl] for dl in deltas])
+        return ins
+
+    def reference(inputs):
+        out, kc = prefill_reference(inputs, shape, {qi: [(k0, n) for k0, n, _ in lst]
+                                                    for qi, lst in unit_tiles.items()}, t)
+        return {"out": np.asarray(out), "k_cache": np.asarray(kc)}
+
+    notes = {"tile_tokens": t, "units": len(units), "cores": cores, "kv_tiles": sum(
+        len(u.steps) for u in units), "mask_patterns": len(deltas)}
+    return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
+                       outputs={"out": ("bf16", (bsz * seq, hq * d)),
+                                "k_cache": ("bf16", (bsz * hkv * d, seq))},
+                       tolerance=_TOL, notes=notes)
+
+
+def prefill_reference(inputs, shape, tiles: dict[int, list[tuple[int, int]]], t: int):
+    """Pure-JAX prefill with the kernel's roundings: (out float32[B*seq, Hq*D], rotated K^T
+    float32[B*G*D, seq]), BF16 values. ``tiles[qi]`` is the KV tiling of query tile qi."""
+    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
+    w, hpk = shape["window"], hq // hkv
+    cos, sin = _f32(inputs["rope_cos"]), _f32(inputs["rope_sin"])
+    q = _f32(np.asarray(inputs["q"], np.float32)).reshape(bsz, seq, hq, d)
+    qr = _rope_ref(q, cos[None, :, None, :], sin[None, :, None, :], 1 / math.sqrt(d))
+    k = _f32(np.asarray(inputs["k"], np.float32)).reshape(bsz, hkv, d, seq).transpose(0, 1, 3, 2)
+    kr = _rope_ref(k, cos[None, None], sin[None, None], None)  # [B, G, seq, D]
+    v = _f32(np.asarray(inputs["v"], np.float32)).reshape(bsz, seq, hkv, d)
+    sinks = np.asarray(inputs["sinks"], np.float32)[:, 0] if shape["sinks"] else None
+    out = np.zeros((bsz, seq, hkv, hpk, d), np.float32)
+    qg = qr.reshape(bsz, seq, hkv, hpk, d).transpose(0, 2, 3, 1, 4)  # [B, G, hpk, seq, D]
+    for qi, lst in tiles.items():  # all sequences and KV heads at once, one query tile at a time
+        q0, nq = qi * t, min(t, seq - qi * t)
+        rows = qg[:, :, :, q0:q0 + nq].reshape(bsz, hkv, hpk * nq, d)  # heads stacked, as the kernel
+        valid = np.tile(_prefill_valid(q0, 0, nq, seq, w), (hpk, 1))
+        sink = None if sinks is None else _f32(np.broadcast_to(
+            np.repeat(sinks.reshape(hkv, hpk), nq, axis=1), (bsz, hkv, hpk * nq)))
+        o = _flash_ref(rows, kr.transpose(0, 1, 3, 2), v.transpose(0, 2, 1, 3), valid, lst, sink)
+        out[:, q0:q0 + nq] = np.asarray(o).reshape(bsz, hkv, hpk, nq, d).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(bsz, seq, hq, d)
+    kc = np.asarray(kr).transpose(0, 1, 3, 2).reshape(bsz * hkv * d, seq)
+    return out.reshape(bsz * seq, hq * d), kc
+
+
+ATTENTION_PREFILL = register(KernelDef(
+    name="attention-prefill",
+    doc="Flash causal prefill attention: GQA, sliding window, sinks, YaRN RoPE on q and k; "
+        "writes the rotated K^T cache.",
+    shape_keys=(
+        ShapeKey("batch", int, 1, "sequences", minimum=1),
+        ShapeKey("seq", int, 128, "prompt tokens per sequence, a multiple of 32", minimum=32),
+        *_COMMON_KEYS,
+    ),
+    build=build_prefill,
+))

@@ -1,0 +1,633 @@
+"""GEMM family: ``gemm`` (y = x @ W + bias), ``embedding`` (a row gather) and ``logits``.
+
+``gemm``: y[m, n] (BF16) = x[m, k] @ W[k, n] + bias[n].
+
+- W lives in HBM as MXFP4 or MXFP8 (E4M3) blocked by 32 along K (``kb.hbm_mx("w", (k, n), fmt,
+  axis=0)``: the checkpoint layout) or as BF16.
+- x is BF16, or MX (``act_fmt`` fp8e4 / fp4) **pre-quantised** along K: ``x`` holds the element
+  codes and ``x.scales`` the E8M0 scales, as ``mx.quantize(x, fmt, axis=1)`` makes them. The
+  kernel does not quantise: re-reading a BF16 panel for every output block would double the bytes
+  of the large GEMM, while the producer of x (the previous kernel's epilogue: ``vec.quantize`` is
+  exactly ``mx.quantize``) writes it once.
+- The output is BF16; bias (BF16) is added in FP32 to the FP32 accumulators, then rounded (RNE).
+
+Tiling. The output is cut into blocks of Mb x Nb (Mb <= 512 rows, Nb a multiple of 64 columns
+sized so that there are at least as many blocks as cores and the accumulators hold one block, or
+two for double buffering), dealt to the cores in contiguous runs (neighbouring blocks share their
+rows of x). A core keeps its x row block [Mb, k] in SRAM (if it fits in a third of it; else x is
+streamed beside W) and streams W in K chunks (<= 512 deep) through 2-8 SRAM slots, slot s on
+DMA queue s % load_queues: the timing model holds
+a DMA queue at a ``sem.signal`` until that queue's transfers have landed, so one queue can only
+keep one chunk in flight and the stream is spread over queues to keep several. The matrix unit
+accumulates the chunks in increasing K order (hence bit-exact with ``mx.matmul``); the vector
+unit moves a finished FP32 block to SRAM (adding the bias through an FP32 slab) and the last
+queue stores it. The last block's K range ends in a half-size chunk so that little matmul is
+left after the final bytes land.
+
+What the HBM address map taught us (jalapeno-v1, power-of-two shapes):
+- x[:, k0:k1] of every row block lives on the same few pseudo-channels (rows are k/2 bytes
+  apart, a multiple of the interleave round), so 64 cores streaming x chunks in lockstep hit a
+  hot spot. Decode: each core loads its few KB of x once. Prefill: the cores sharing a row block
+  (groups of <= 4) load each part of the 2 MiB panel once from HBM and relay it to each other
+  with ``dma.copy``; part 0 is one chunk wide so the matmuls start early.
+- Decode: W's scales for a core's whole K range are loaded first, once: streamed beside each
+  chunk they sit on other cores' channels and hold up every chunk's signal.
+
+Two regimes on jalapeno-v1:
+
+- Decode GEMV (m = 1..64): each core streams an Nb-column slice of W; HBM-bound when W is large
+  and the matrix unit keeps up. The matrix unit prices a step of 128 rows whatever m is, so its
+  time is n*k/(128*32*cores) steps of 8 (fp4 x fp4), 16 (fp8 x fp4) or 32 (bf16) cycles: fp4 x fp4
+  has 2x headroom over HBM, fp8e4 x fp4 just about keeps pace, bf16 x fp4 is compute-bound at
+  half of HBM speed. Fixed costs of ~5 us (launch 2 us, the first load's set-up and HBM latency
+  1.5 us, the store's 1.5 us, the last matmul) cap a 256 MiB GEMV (20.6 us of transfer) near
+  80 % of achievable bandwidth (we get 77 %); 512 MiB reaches 87 %. At real layer sizes (gpt-oss
+  k=2880, n=5760: 8.8 MB, 0.6 us of HBM time) the kernel is latency-bound at ~9 us.
+- Prefill GEMM (m, n, k >= 4096): 512 x 1024 output blocks (the whole 2 MiB accumulator) give
+  4*512*1024/(512+1024) = 1365 FLOP per MXFP4 byte, above the ~970 a core needs to stay
+  compute-bound at its share of HBM. Only fp4 x fp4 runs at the MXFP4 rate and can reach 80 % of
+  peak MXFP4 FLOP/s (8192^3: 80 %); fp8e4 x fp4 runs at the MXFP8 rate, half of it (41 %).
+
+No split-K: with 64-column slices every core streams weights as long as n >= 64 * cores (4096
+on v1); narrower layers (routers, n = 128) use fewer cores, which on v1 still saturate HBM while
+at least half of them stream (each core's DMA port is 2x its share of HBM), and are latency-bound
+anyway.
+
+``embedding``: out[t, :] = table[ids[t], :], one ``dma.gather`` per chunk of tokens, spread over
+cores and DMA queues (the gather pays one set-up round per 16 rows per queue).
+
+``logits``: the final projection hidden -> vocab, the ``gemm`` builder with logits-shaped keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+
+from jalapeno_emu import mx
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
+from jalapeno_emu.isa.table import DTYPES
+
+from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .registry import register
+
+__all__ = ["EMBEDDING", "GEMM", "LOGITS", "build_gemm", "gemm_reference", "inorder_block_matmul"]
+
+WEIGHT_FMTS = ("fp4", "fp8e4", "bf16")
+ACT_FMTS = ("bf16", "fp8e4", "fp4")
+COL_GRANULE = 64  # output columns per slice step: an fp4 row piece of 32 B is one HBM4 burst
+MAX_ROWS = 512  # rows of an output block: 4 matrix-unit tiles
+MAX_COLS = 2048  # columns of an output block (SRAM: W chunk rows x Nb)
+MAX_CHUNK = 512  # K elements per streamed chunk: short start-up, few descriptors
+SRAM_SHARE = 0.95
+EPILOGUE_BYTES = 256 * 1024  # FP32 scratch for the bias add, processed in row slabs
+BROADCAST_MIN_BYTES = 256 * 1024  # x panels this big (or 1/16 of SRAM) are loaded once and relayed
+RELAY_GROUP = 4  # cores that share one HBM read of an x panel
+
+
+# --- numerics -------------------------------------------------------------------------------
+def inorder_block_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32[M, N]: the matrix unit's product of float32 values a[M, K] and b[K, N] (K % 32 == 0).
+
+    The documented semantics for a BF16 operand: each 32-element K block is summed in increasing
+    k in FP32 (products are exact), and the block sums are added to the FP32 accumulator in
+    increasing block order, starting from +0.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    a_blocks = a.reshape(m, k // 32, 32).transpose(1, 2, 0)  # [nb, 32, M]
+    b_blocks = b.reshape(k // 32, 32, n)  # [nb, 32, N]
+
+    def block(acc, ab):
+        a_j, b_j = ab
+        s, _ = lax.scan(lambda s, kk: (s + a_j[kk][:, None] * b_j[kk][None, :], None),
+                        jnp.zeros((m, n), jnp.float32), jnp.arange(32))
+        return acc + s, None
+
+    acc, _ = lax.scan(block, jnp.zeros((m, n), jnp.float32), (a_blocks, b_blocks))
+    return acc
+
+
+_inorder_jit = jax.jit(inorder_block_matmul)
+
+
+def gemm_reference(x: Any, w: Any, bias: Any | None) -> np.ndarray:
+    """bf16[m, n]: the kernel's result in pure JAX.
+
+    Args:
+        x: [m, k] MXArray blocked along K (axis 1) or bfloat16 array.
+        w: [k, n] MXArray blocked along K (axis 0) or bfloat16 array.
+        bias: bfloat16[1, n] or None.
+
+    MX x MX is ``mx.matmul`` (bit for bit what the K chunks accumulate in order); anything with a
+    BF16 side is ``inorder_block_matmul`` on the exact float32 values. Then FP32 + bias, one RNE
+    rounding to BF16.
+    """
+    if isinstance(x, mx.MXArray) and isinstance(w, mx.MXArray):
+        acc = mx.matmul(x, w)
+    else:
+        def vals(v):
+            return mx.dequantize(v) if isinstance(v, mx.MXArray) else jnp.asarray(v, jnp.float32)
+        acc = _inorder_jit(vals(x), vals(w))
+    if bias is not None:
+        acc = acc + jnp.asarray(bias, jnp.float32)
+    return np.asarray(acc.astype(jnp.bfloat16))
+
+
+# --- planning -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmPlan:
+    """How a gemm is cut: block sizes, items per core, K chunk, buffer counts.
+
+    Attributes:
+        mb, nb: output block rows and columns; kc: K elements per full chunk.
+        items: per core, its (m0, rows, n0, cols) output blocks.
+        slots: SRAM buffers for the streamed chunks; accs: accumulator buffers (1 or 2).
+        slab: rows per epilogue step (bias add through FP32 scratch).
+        x_resident: x's row block [mb, k] is loaded into SRAM whole (once per core when there is
+            one row block, else whenever a core's row block changes) instead of streamed in K
+            chunks beside W.
+        load_queues: DMA queues streaming chunks (all of them when every core has one block,
+            else all but the last, which stores).
+        w_scales_resident: W's E8M0 scales for the core's whole K range come in once, first
+            (one block per core): streamed with each chunk they queue behind other cores' codes
+            on shared pseudo-channels and hold up every chunk's signal.
+    """
+
+    mb: int
+    nb: int
+    kc: int
+    items: tuple[tuple[tuple[int, int, int, int], ...], ...]
+    slots: int
+    accs: int
+    slab: int
+    x_resident: bool
+    load_queues: int
+    w_scales_resident: bool
+
+
+def _bytes(fmt: str, rows: int, cols: int, blocked_axis: int) -> int:
+    """SRAM/HBM bytes of an operand tile with its E8M0 scales (MX formats)."""
+    codes = rows * DTYPES[fmt].row_bytes(cols)
+    if fmt == "bf16":
+        return codes
+    return codes + (rows * cols // 32)
+
+
+def _check_gemm_shape(m: int, n: int, k: int, weight_fmt: str, act_fmt: str,
+                      names: dict[str, str]) -> None:
+    for key, v in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(v, int) or v < 1:
+            raise InvalidArgumentError(f"shape key {names[key]}={v!r} must be an int >= 1")
+    if k % 32:
+        raise InvalidArgumentError(f"shape key {names['k']}={k} must be a multiple of 32 "
+                                   "(MX blocks and matrix-unit steps run along K in 32s)")
+    if weight_fmt not in WEIGHT_FMTS:
+        raise InvalidArgumentError(f"shape key weight_fmt={weight_fmt!r} is not one of {list(WEIGHT_FMTS)}")
+    if act_fmt not in ACT_FMTS:
+        raise InvalidArgumentError(f"shape key act_fmt={act_fmt!r} is not one of {list(ACT_FMTS)}")
+    if weight_fmt == "fp4" and n % 2:
+        raise InvalidArgumentError(f"shape key {names['n']}={n} must be even with fp4 weights "
+                                   "(two codes per byte along a row)")
+
+
+def _chunks(k: int, kc: int, tail: bool) -> list[tuple[int, int]]:
+    """(k0, width) chunks over [0, k); with ``tail`` the last chunk is split in halves down to 32."""
+    widths = [kc] * (k // kc) + ([k % kc] if k % kc else [])
+    if tail:
+        for _ in range(1):
+            last = widths[-1]
+            if last < 64:
+                break
+            half = (last // 64) * 32
+            widths[-1:] = [last - half, half]
+    out, k0 = [], 0
+    for w in widths:
+        out.append((k0, w))
+        k0 += w
+    return out
+
+
+def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
+              spec: ChipSpec) -> GemmPlan:
+    """Choose block sizes for ``spec`` (see the module docstring); InvalidArgumentError if none fit."""
+    cores = spec.core.count
+    acc_cap, sram_cap = spec.sram.accumulator_bytes, int(spec.sram.scratchpad_bytes * SRAM_SHARE)
+    g = COL_GRANULE
+    mb = min(m, MAX_ROWS, acc_cap // (4 * g))
+    if mb < 1:
+        raise InvalidArgumentError(f"{spec.name}'s accumulator memory ({acc_cap} B) cannot hold one "
+                                   f"{g}-column FP32 row")
+    nb_max = min(MAX_COLS, acc_cap // (mb * 4) // g * g)
+    m_blocks = -(-m // mb)
+    n_slices = -(-n // g)
+    while True:
+        nb_count = -(-n // nb_max)
+        total = m_blocks * nb_count
+        want = max(cores, -(-total // cores) * cores)  # at least one block per core, balanced
+        nb_count = min(n_slices, max(nb_count, -(-want // m_blocks)))
+        nb = min(nb_max, -(-(-(-n // nb_count)) // g) * g)  # noqa: B002 (ceil of a ceil)
+        nb_count = -(-n // nb)
+        items_all = [(mi * mb, min(mb, m - mi * mb), nj * nb, min(nb, n - nj * nb))
+                     for mi in range(m_blocks) for nj in range(nb_count)]
+        # Contiguous runs of blocks per core: neighbours share their row block of x.
+        per_core = tuple(tuple(items_all[c * len(items_all) // cores:(c + 1) * len(items_all) // cores])
+                         for c in range(cores))
+        most = max(len(p) for p in per_core)
+        queues = spec.dma.queues_per_core
+        load_queues = queues if most == 1 or queues == 1 else queues - 1
+        slab = max(1, min(mb, min(EPILOGUE_BYTES, sram_cap // 16) // (nb * 4))) if bias else 0
+        fixed = mb * nb * 2 + (slab * nb * 4 + most * nb * 2 if bias else 0)
+        # x's row block stays in SRAM for all of K. Streamed in K chunks, every core would read
+        # the same narrow column range of x at the same time: [rows, kc] pieces at a row stride
+        # of k/2 bytes sit on a few pseudo-channels, which then bound the whole GEMM. Loaded
+        # whole (split over the load queues), the panel spreads over every channel.
+        x_bytes = _bytes(act_fmt, mb, k, 1)
+        x_resident = x_bytes <= sram_cap // 3
+        if x_resident:
+            fixed += x_bytes
+        w_scales_resident = weight_fmt != "bf16" and most == 1 and (k // 32) * nb <= sram_cap // 8
+        if w_scales_resident:
+            fixed += (k // 32) * nb
+        best = None  # (kc, slots): the longest chunk first, then the most slots
+        for slots in (2 * load_queues, load_queues, 2):
+            kc = min(MAX_CHUNK, k)
+            while kc >= 32 and fixed + slots * ((0 if x_resident else _bytes(act_fmt, mb, kc, 1))
+                                                + (kc * DTYPES[weight_fmt].row_bytes(nb)
+                                                   if w_scales_resident
+                                                   else _bytes(weight_fmt, kc, nb, 0))) > sram_cap:
+                kc -= 32
+            if kc >= 32 and (best is None or kc > best[0]):
+                best = (kc, slots)
+        if best is not None:
+            kc, slots = best
+            break
+        if nb_max <= g:
+            raise InvalidArgumentError(
+                f"shape (m={m}, k={k}) does not fit: one {mb} x {g} output block with two 32-deep "
+                f"chunks needs more than {spec.name}'s {spec.sram.scratchpad_bytes:,} B of scratchpad")
+        nb_max = max(g, nb_max // 2 // g * g)
+    accs = 2 if 2 * mb * nb * 4 <= acc_cap else 1
+    return GemmPlan(mb, nb, kc, per_core, slots, accs, slab, x_resident, load_queues,
+                    w_scales_resident)
+
+
+# --- gemm -----------------------------------------------------------------------------------
+def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
+               spec: ChipSpec, *, name: str = "gemm",
+               key_names: dict[str, str] | None = None) -> KernelBuild:
+    """The gemm program and its check: HBM tensors ``x``, ``w``, ``bias`` (if any), output ``y``.
+
+    Args:
+        m, n, k: y[m, n] = x[m, k] @ w[k, n] (+ bias[1, n]).
+        weight_fmt: "fp4", "fp8e4" or "bf16"; act_fmt: "bf16", "fp8e4" or "fp4" (pre-quantised).
+        bias: add a BF16 bias row.
+        spec: the chip.
+        name: program name prefix; key_names: shape-key names for error messages (logits).
+    """
+    names = {"m": "m", "n": "n", "k": "k"} | (key_names or {})
+    _check_gemm_shape(m, n, k, weight_fmt, act_fmt, names)
+    plan = plan_gemm(m, n, k, weight_fmt, act_fmt, bias, spec)
+    kb = KernelBuilder(f"{name}_{m}x{n}x{k}_{weight_fmt}w_{act_fmt}a", chip=spec)
+    x_mx, w_mx = act_fmt != "bf16", weight_fmt != "bf16"
+    x_h = kb.hbm_mx("x", (m, k), act_fmt, axis=1) if x_mx else kb.hbm("x", (m, k), "bf16")
+    w_h = kb.hbm_mx("w", (k, n), weight_fmt, axis=0) if w_mx else kb.hbm("w", (k, n), "bf16")
+    b_h = kb.hbm("bias", (1, n), "bf16") if bias else None
+    y_h = kb.hbm("y", (m, n), "bf16")
+    mb, nb, kc = plan.mb, plan.nb, plan.kc
+
+    def loads(q, dst, src) -> None:
+        if hasattr(dst, "scales"):
+            q.load(dst.codes, src.codes)
+            q.load(dst.scales, src.scales)
+        else:
+            q.load(dst, src)
+
+    # Prologue for every core first, so that x, W's scales and the bias are issued (and queue
+    # on their pseudo-channels) ahead of every core's weight stream.
+    per_core: dict[int, dict[str, Any]] = {}
+    for c, items in enumerate(plan.items):
+        if not items:
+            continue
+        a_shape = (mb, k) if plan.x_resident else (mb, kc)
+        per_core[c] = {
+            "core": kb.core(c),
+            "a_buf": [kb.sram_mx(c, f"a{s}", a_shape, act_fmt, axis=1) if x_mx
+                      else kb.sram(c, f"a{s}", a_shape, "bf16")
+                      for s in range(1 if plan.x_resident else plan.slots)],
+            "x_in_prologue": plan.x_resident and all(it[0] == items[0][0] for it in items),
+            "x_parts": [],  # (k0, width, semaphore, value): x panel pieces the matmuls wait for
+            "loaded": [kb.semaphore(f"c{c}.loaded{s}") for s in range(plan.slots)],
+        }
+
+    # x panels that stay for the whole kernel. Large ones (prefill) are shared by the G cores
+    # of a row block: each part is loaded from HBM by one member and relayed to the others over
+    # the on-die network, so HBM serves each panel once instead of G times. All row blocks'
+    # first K columns sit on the same few pseudo-channels (the row stride is k/2 bytes), so
+    # 64 cores each fetching them would delay the first matmul by ~10 us on jalapeno-v1;
+    # part 0 is one chunk wide so that the matmuls start early. Small panels (decode: a few KB)
+    # are loaded whole by every core, on queue 0 with the first weight chunk (whose signal
+    # covers both).
+    groups: dict[int, list[int]] = {}
+    for c, r in per_core.items():
+        if r["x_in_prologue"]:
+            groups.setdefault(plan.items[c][0][0], []).append(c)
+    if _bytes(act_fmt, mb, k, 1) < min(BROADCAST_MIN_BYTES, spec.sram.scratchpad_bytes // 16):
+        groups = {c: [c] for members in groups.values() for c in members}
+    else:  # relay within groups of at most RELAY_GROUP cores: few copies per part, short chains
+        groups = {members[i]: members[i:i + RELAY_GROUP] for members in groups.values()
+                  for i in range(0, len(members), RELAY_GROUP)}
+    for members in groups.values():
+        m0, rows = plan.items[members[0]][0][0], plan.items[members[0]][0][1]
+        if len(members) == 1:
+            r = per_core[members[0]]
+            loads(r["core"].dma[0], r["a_buf"][0].sub(0, 0, rows, k), x_h.sub(m0, 0, rows, k))
+            r["x_parts"].append((0, k, r["loaded"][0], 1))
+            continue
+        first = min(kc, k)
+        per = -(-((k - first) // 32) // len(members)) * 32 or 32
+        parts = [(0, first)] + [(pk0, min(per, k - pk0)) for pk0 in range(first, k, per)]
+        for i, (pk0, pw) in enumerate(parts):
+            owner_id = members[i % len(members)]
+            owner = per_core[owner_id]
+            q = owner["core"].dma[-1]
+            own = owner["a_buf"][0].sub(0, pk0, rows, pw)
+            landed, sent = kb.semaphore(f"c{owner_id}.x{i}.landed"), kb.semaphore(f"c{owner_id}.x{i}.sent")
+            loads(q, own, x_h.sub(m0, pk0, rows, pw))
+            q.signal(landed)
+            q.wait(landed, 1)
+            for peer in members:
+                if peer != owner_id:
+                    dst = per_core[peer]["a_buf"][0].sub(0, pk0, rows, pw)
+                    if x_mx:
+                        q.copy(dst.codes, own.codes)
+                        q.copy(dst.scales, own.scales)
+                    else:
+                        q.copy(dst, own)
+            q.signal(sent)
+            for c in members:
+                per_core[c]["x_parts"].append((pk0, pw, landed if c == owner_id else sent, 1))
+
+    for c, r in per_core.items():
+        items, core = plan.items[c], r["core"]
+        bq = core.dma[-1]
+        if plan.w_scales_resident:  # W's scales for the whole K range
+            ws_sem = kb.semaphore(f"c{c}.w_scales")
+            n0, cols = items[0][2], items[0][3]
+            r["w_scales"] = kb.sram(c, "w_scales", (k // 32, nb), "e8m0")
+            bq.load(r["w_scales"].sub(0, 0, k // 32, cols), w_h.scales.sub(0, n0, k // 32, cols))
+            bq.signal(ws_sem)
+            core.mxu.wait(ws_sem, 1)
+        if bias:  # every bias slice this core needs
+            r["tmp"] = kb.sram(c, "tmp", (plan.slab, nb), "f32")
+            r["b_bufs"] = [kb.sram(c, f"bias{t}", (1, nb), "bf16") for t in range(len(items))]
+            bias_sem = kb.semaphore(f"c{c}.bias")
+            for t, (_, _, n0, cols) in enumerate(items):
+                bq.load(r["b_bufs"][t].sub(0, 0, 1, cols), b_h.sub(0, n0, 1, cols))
+            bq.signal(bias_sem)
+            core.vpu.wait(bias_sem, 1)
+
+    for c, r in per_core.items():
+        items, core = plan.items[c], r["core"]
+        # Slot s loads on queue s % load_queues: a signal on a DMA queue holds that queue until
+        # its transfers land, so spreading slots over queues keeps several chunks in flight.
+        # The last queue stores the results (and streams too when the core has one block).
+        st = core.dma[-1]
+        mxu, vpu = core.mxu, core.vpu
+        a_buf, tmp, b_bufs = r["a_buf"], r.get("tmp"), r.get("b_bufs")
+        b_buf = [kb.sram_mx(c, f"b{s}", (kc, nb), weight_fmt, axis=0)
+                 if w_mx and not plan.w_scales_resident
+                 else kb.sram(c, f"b{s}", (kc, nb), weight_fmt) for s in range(plan.slots)]
+        accs = [kb.acc(c, f"acc{i}", (mb, nb)) for i in range(plan.accs)]
+        out = kb.sram(c, "out", (mb, nb), "bf16")
+        loaded = r["loaded"]
+        freed = [kb.semaphore(f"c{c}.freed{s}") for s in range(plan.slots)]
+        acc_done, acc_free = kb.semaphore(f"c{c}.acc_done"), kb.semaphore(f"c{c}.acc_free")
+        stored = kb.semaphore(f"c{c}.stored")
+        step = 0
+        panel_sems = [kb.semaphore(f"c{c}.panel{p}") for p in range(plan.load_queues)]
+        panel_loads = 0
+        for t, (m0, rows, n0, cols) in enumerate(items):
+            acc = accs[t % plan.accs].sub(0, 0, rows, cols)
+            # x panel pieces this item's matmuls must wait for: (k0, width, semaphore, value)
+            pieces: list[tuple[int, int, Any, int]] = list(r["x_parts"]) if t == 0 else []
+            if plan.x_resident and not r["x_in_prologue"] and (t == 0 or items[t - 1][0] != m0):
+                panel_loads += 1
+                per = -(-(k // 32) // plan.load_queues) * 32
+                for p, pk0 in enumerate(range(0, k, per)):
+                    q, pw = core.dma[p], min(per, k - pk0)
+                    if t:  # every matmul on the previous panel is done
+                        q.wait(acc_done, t)
+                    loads(q, a_buf[0].sub(0, pk0, rows, pw), x_h.sub(m0, pk0, rows, pw))
+                    q.signal(panel_sems[p])
+                    pieces.append((pk0, pw, panel_sems[p], panel_loads))
+            for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1)):
+                s, use = step % plan.slots, step // plan.slots
+                ld = core.dma[s % plan.load_queues]
+                if use:  # the matrix unit must be done with this slot's previous chunk
+                    ld.wait(freed[s], use)
+                b_t = b_buf[s].sub(0, 0, kw, cols)
+                w_src = w_h.sub(k0, n0, kw, cols)
+                if plan.w_scales_resident:
+                    ld.load(b_t, w_src.codes)
+                    b_t = MXTensor(b_t, r["w_scales"].sub(k0 // 32, 0, kw // 32, cols), axis=0)
+                else:
+                    loads(ld, b_t, w_src)
+                if plan.x_resident:
+                    a_t = a_buf[0].sub(0, k0, rows, kw)
+                else:
+                    a_t = a_buf[s].sub(0, 0, rows, kw)
+                    loads(ld, a_t, x_h.sub(m0, k0, rows, kw))
+                ld.signal(loaded[s])
+                for piece in [pc for pc in pieces if pc[0] < k0 + kw and k0 < pc[0] + pc[1]]:
+                    mxu.wait(piece[2], piece[3])  # the x panel piece this chunk reads has landed
+                    pieces.remove(piece)
+                if ci == 0 and t >= plan.accs:  # this accumulator's previous block was read out
+                    mxu.wait(acc_free, t - plan.accs + 1)
+                mxu.wait(loaded[s], use + 1)
+                mxu.matmul_mx(acc, a_t, b_t, mode="overwrite" if ci == 0 else "accumulate")
+                mxu.signal(freed[s])
+                step += 1
+            mxu.signal(acc_done)
+            # Epilogue: accumulators -> BF16 in SRAM (plus bias in FP32) -> HBM.
+            vpu.wait(acc_done, t + 1)
+            if t:  # the previous block's store has left ``out``
+                vpu.wait(stored, t)
+            o = out.sub(0, 0, rows, cols)
+            if bias:
+                for r0 in range(0, rows, plan.slab):
+                    nr = min(plan.slab, rows - r0)
+                    vpu.acc_read(tmp.sub(0, 0, nr, cols), acc.sub(r0, 0, nr, cols))
+                    vpu.add(o.sub(r0, 0, nr, cols), tmp.sub(0, 0, nr, cols), b_bufs[t].sub(0, 0, 1, cols))
+            else:
+                vpu.acc_read(o, acc)
+            vpu.signal(acc_free)
+            st.wait(acc_free, t + 1)
+            st.store(y_h.sub(m0, n0, rows, cols), o)
+            st.signal(stored)
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = (rng.standard_normal((k, n)) * 0.05).astype(ml_dtypes.bfloat16)
+        out: dict[str, Any] = {
+            "x": mx.quantize(x, DTYPES[act_fmt].mx_fmt, axis=1) if x_mx else x,
+            "w": mx.quantize(w, DTYPES[weight_fmt].mx_fmt, axis=0) if w_mx else w,
+        }
+        if bias:
+            out["bias"] = rng.standard_normal((1, n)).astype(ml_dtypes.bfloat16)
+        return out
+
+    def reference(inputs):
+        return {"y": gemm_reference(inputs["x"], inputs["w"], inputs.get("bias"))}
+
+    exact = x_mx and w_mx
+    tol = Tolerance(0.0, 0.0, "bit-exact: K chunks accumulate in order, so the matrix unit's FP32 "
+                    "accumulators equal mx.matmul" if exact else
+                    "bit-exact: the reference sums each 32-block in order in FP32 as the matrix "
+                    "unit does (products of BF16 and MX values are exact in FP32)")
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"y": ("bf16", (m, n))}, tolerance=tol,
+        notes={"block": [plan.mb, plan.nb], "k_chunk": plan.kc, "slots": plan.slots,
+               "accumulators": plan.accs, "cores": sum(1 for i in plan.items if i),
+               "blocks": sum(len(i) for i in plan.items), "output": "bf16",
+               "activations": "pre-quantised" if x_mx else "bf16"},
+    )
+
+
+def _build_gemm_kernel(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    return build_gemm(shape["m"], shape["n"], shape["k"], shape["weight_fmt"], shape["act_fmt"],
+                      shape["bias"], spec)
+
+
+GEMM = register(KernelDef(
+    name="gemm",
+    doc="y[m, n] (bf16) = x[m, k] @ W[k, n] + bias: MXFP4/MXFP8/BF16 weights blocked along K, "
+        "BF16 or pre-quantised MX activations; output blocks over all cores, multi-buffered "
+        "weight stream.",
+    shape_keys=(
+        ShapeKey("m", int, 16, "rows of x (tokens; 1..64 is the decode GEMV)", minimum=1),
+        ShapeKey("n", int, 256, "output features (columns of W)", minimum=1),
+        ShapeKey("k", int, 512, "contraction length, a multiple of 32", minimum=1),
+        ShapeKey("weight_fmt", str, "fp4", "W in HBM: MXFP4, MXFP8 (E4M3) or BF16",
+                 choices=WEIGHT_FMTS),
+        ShapeKey("act_fmt", str, "fp8e4", "x: BF16, or MX blocked along K (pre-quantised); the "
+                 "MXFP4 rate needs fp4 here and in weight_fmt", choices=ACT_FMTS),
+        ShapeKey("bias", bool, True, "add a BF16 bias row"),
+    ),
+    build=_build_gemm_kernel,
+))
+
+
+# --- logits ---------------------------------------------------------------------------------
+def _build_logits(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    return build_gemm(shape["tokens"], shape["vocab"], shape["hidden"], shape["weight_fmt"],
+                      shape["act_fmt"], False, spec, name="logits",
+                      key_names={"m": "tokens", "n": "vocab", "k": "hidden"})
+
+
+LOGITS = register(KernelDef(
+    name="logits",
+    doc="logits[tokens, vocab] (bf16) = h[tokens, hidden] @ W_unembed[hidden, vocab]: the gemm "
+        "builder without bias (tensors x, w, y).",
+    shape_keys=(
+        ShapeKey("tokens", int, 4, "rows (1 per sequence in decode)", minimum=1),
+        ShapeKey("hidden", int, 256, "hidden size (gpt-oss-120b: 2880), a multiple of 32", minimum=1),
+        ShapeKey("vocab", int, 1000, "vocabulary (gpt-oss: 201088)", minimum=1),
+        ShapeKey("weight_fmt", str, "bf16", "unembedding in HBM (gpt-oss ships it in BF16)",
+                 choices=WEIGHT_FMTS),
+        ShapeKey("act_fmt", str, "bf16", "hidden states: BF16 or pre-quantised MX", choices=ACT_FMTS),
+    ),
+    build=_build_logits,
+))
+
+
+# --- embedding ------------------------------------------------------------------------------
+def build_embedding(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """out[t, :] = table[ids[t], :]: tokens split over cores, each core's rows over its DMA queues.
+
+    Each queue gathers a chunk of rows into one of its two SRAM buffers and stores it; the ids
+    come in once per core. HBM tensors: ``table`` bf16[vocab, hidden], ``ids`` i32[tokens, 1],
+    output ``out`` bf16[tokens, hidden].
+    """
+    t, vocab, h = shape["tokens"], shape["vocab"], shape["hidden"]
+    for key in ("tokens", "vocab", "hidden"):
+        if shape[key] < 1:
+            raise InvalidArgumentError(f"shape key {key}={shape[key]} must be >= 1")
+    queues = spec.dma.queues_per_core
+    budget = int(spec.sram.scratchpad_bytes * SRAM_SHARE) - 4 * t
+    rows_fit = budget // (2 * queues * h * 2)  # two buffers per queue
+    if rows_fit < 1:
+        raise InvalidArgumentError(f"shape key hidden={h}: one bf16 row double-buffered on "
+                                   f"{queues} queues needs more than {spec.name}'s scratchpad")
+    cores = min(spec.core.count, t)
+    per_core = -(-t // cores)
+    kb = KernelBuilder(f"embedding_{t}x{vocab}x{h}", chip=spec)
+    table = kb.hbm("table", (vocab, h), "bf16")
+    ids_h = kb.hbm("ids", (t, 1), "i32")
+    out_h = kb.hbm("out", (t, h), "bf16")
+    for c in range(cores):
+        lo, hi = c * per_core, min(t, (c + 1) * per_core)
+        if lo >= hi:
+            continue
+        cnt = hi - lo
+        rows = max(1, min(rows_fit, -(-cnt // queues)))
+        core = kb.core(c)
+        idx = kb.sram(c, "idx", (cnt, 1), "i32")
+        have_ids = kb.semaphore(f"c{c}.ids")
+        core.dma[0].load(idx, ids_h.sub(lo, 0, cnt, 1))
+        core.dma[0].signal(have_ids)
+        chunks = list(range(lo, hi, rows))
+        for q in range(min(queues, len(chunks))):
+            dq = core.dma[q]
+            bufs = [kb.sram(c, f"rows{q}.{b}", (rows, h), "bf16") for b in range(2)]
+            got, put = kb.semaphore(f"c{c}.q{q}.got"), kb.semaphore(f"c{c}.q{q}.put")
+            dq.wait(have_ids, 1)
+            for use, r0 in enumerate(chunks[q::queues]):
+                nr = min(rows, hi - r0)
+                buf = bufs[use % 2].sub(0, 0, nr, h)
+                if use >= 2:  # the store that last read this buffer is done
+                    dq.wait(put, use - 1)
+                dq.gather(buf, table, idx.sub(r0 - lo, 0, nr, 1))
+                dq.signal(got)
+                dq.wait(got, use + 1)
+                dq.store(out_h.sub(r0, 0, nr, h), buf)
+                dq.signal(put)
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        rng = np.random.default_rng(seed)
+        return {"table": rng.standard_normal((vocab, h)).astype(ml_dtypes.bfloat16),
+                "ids": rng.integers(0, vocab, (t, 1)).astype(np.int32)}
+
+    def reference(inputs):
+        return {"out": np.asarray(jnp.take(jnp.asarray(inputs["table"]),
+                                           jnp.asarray(inputs["ids"][:, 0]), axis=0))}
+
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"out": ("bf16", (t, h))},
+        tolerance=Tolerance(0.0, 0.0, "bit-exact: rows are copied unchanged"),
+        notes={"cores": cores, "rows_per_core": per_core},
+    )
+
+
+EMBEDDING = register(KernelDef(
+    name="embedding",
+    doc="out[t, :] = table[ids[t], :] (bf16), one dma.gather per chunk of tokens, spread over "
+        "cores and DMA queues.",
+    shape_keys=(
+        ShapeKey("tokens", int, 8, "token ids to look up", minimum=1),
+        ShapeKey("vocab", int, 512, "table rows (gpt-oss: 201088)", minimum=1),
+        ShapeKey("hidden", int, 256, "row length (gpt-oss-120b: 2880)", minimum=1),
+    ),
+    build=build_embedding,
+))

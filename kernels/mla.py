@@ -1,0 +1,708 @@
+"""Multi-head latent attention (DeepSeek-V3/R1, Kimi K2.5): decode (absorbed) and prefill (naive).
+
+The compressed KV cache holds per token one row ``[c_kv | k_pe]`` of ``kv_lora_rank + rope_dim``
+BF16 values (512 + 64 for DeepSeek/Kimi), shared by every query head. Inputs are in HBM, BF16:
+
+- ``q``: [tokens*q_heads, nope_dim + rope_dim], row ``token*q_heads + h`` = ``[q_nope | q_pe]``
+  of head h, i.e. the output of q_b_proj with RoPE already applied to q_pe (the q down/up
+  projections and RoPE are not part of these kernels).
+- ``kv_cache``: [batch*context, kv_lora_rank + rope_dim], row ``b*context + t`` = ``[c_kv | k_pe]``
+  (k_pe already rotated).
+- ``w_kv_b``: [q_heads*(nope_dim + v_head_dim), kv_lora_rank], DeepSeek's ``kv_b_proj.weight``:
+  rows ``h*(nope+v) ..+nope`` are W_UK[h] (k_nope = c_kv @ W_UK[h]^T), the next ``v`` rows
+  W_UV[h] (v = c_kv @ W_UV[h]^T).
+- output ``out``: [tokens*q_heads, v_head_dim], row ``token*q_heads + h``.
+
+``mla-decode`` (one query token per sequence, absorbed form), three phases on every core:
+
+1. absorb (heads split over cores): q_lat[b, h] = bf16(q_nope[b, h] @ W_UK[h]) for all b at
+   once (M = batch), then SRAM-to-SRAM DMA copies deliver each sequence's [q_heads, R] block to
+   the core that owns the sequence (no HBM round trip);
+2. attention (sequences split over cores): per context tile of T tokens, one ``mxu.matmul_t``
+   S = [q_lat | q_pe] @ [c_kv | k_pe]^T for all heads (M = q_heads), an online softmax on the
+   vector unit, and P @ c_kv into the latent output. The cache tile is loaded once for all heads:
+   that is what makes MLA decode cheap in bytes. Up to four tiles are in flight (a tile's load,
+   set-up and latency included, outlasts one tile of matrix work) and the matrix unit runs the
+   scores of tile j+1 before the P @ c_kv of tile j so that it does not wait on the softmax;
+3. up-projection (heads split over cores): o_lat rows are copied back to their head's core and
+   out[b, h] = bf16(bf16(o_lat[b, h]) @ W_UV[h]^T) (M = batch).
+
+HBM traffic is the cache once, the weights once, q and out. With DeepSeek's 128 heads the
+FLOPs per cached byte are 2*128*(576 + 512)/1152 = 242, just above BF16's FLOP/byte balance on
+jalapeno-v1 (3.36 PFLOP/s over 15.4 TB/s = 218, or 242 against the 90 % achievable HBM rate): the
+cache stream and the BF16 matrix work take about the same time, and the phases before and after
+the stream (absorption, the two all-to-all copy rounds, up-projection) add a fixed ~10 us. Kimi's
+64 heads halve the FLOPs and leave decode HBM-bound.
+
+``mla-prefill`` uses the naive (non-absorbed) form: per (sequence, head) work item, K_h =
+[bf16(c_kv @ W_UK[h]^T) | k_pe] and V_h = bf16(c_kv @ W_UV[h]^T) are decompressed into SRAM for
+the whole sequence, then causal flash attention over square tiles (the diagonal tile adds a
+constant [T, T] mask input of 0 / -inf). Items are spread over cores; each item re-reads the
+sequence's latent cache (c_kv is small next to the attention FLOPs, which bound prefill).
+
+Softmax scale: shape key ``softmax_scale``; 0 means the plain 1/sqrt(nope_dim + rope_dim).
+DeepSeek-V3/R1 with YaRN (factor 40, mscale_all_dim 1) use ``yarn_softmax_scale()`` = that times
+mscale^2 = (0.1*ln(40) + 1)^2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder
+
+from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .registry import register
+
+__all__ = ["MLA_DECODE", "MLA_PREFILL", "mla_decode_reference", "mla_prefill_reference",
+           "yarn_softmax_scale"]
+
+_MAX_DECODE_TILE = 512  # context tokens per tile: big enough to amortise DMA set-up and issue
+_MAX_DECODE_BUFFERS = 4  # latent cache tiles in flight per core
+_MAX_PREFILL_TILE = 256  # query/key tile: two 128-row passes; fewer, larger tiles amortise issue
+_SLACK = 8192  # bytes kept free for allocation alignment (64 B per allocation)
+_BF16 = ml_dtypes.bfloat16
+
+
+def yarn_softmax_scale(qk_head_dim: int = 192, factor: float = 40.0, mscale_all_dim: float = 1.0) -> float:
+    """DeepSeek-V3's softmax scale under YaRN: qk_head_dim^-0.5 * (0.1*mscale_all_dim*ln(factor) + 1)^2."""
+    m = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return qk_head_dim ** -0.5 * m * m
+
+
+def _scale(shape: dict[str, Any]) -> float:
+    s = shape["softmax_scale"]
+    if s < 0 or not math.isfinite(s):
+        raise InvalidArgumentError(f"shape key softmax_scale={s} must be a finite value >= 0 (0: default)")
+    return s if s > 0 else 1.0 / math.sqrt(shape["nope_dim"] + shape["rope_dim"])
+
+
+def _check_dims(shape: dict[str, Any], length_key: str) -> None:
+    """Refuse dimensions the matrix unit's 32-element K blocks cannot take."""
+    for key in ("kv_lora_rank", "rope_dim", "nope_dim", length_key):
+        if shape[key] % 32:
+            raise InvalidArgumentError(
+                f"shape key {key}={shape[key]} must be a multiple of 32: it is a contraction (K) "
+                "dimension of a matmul, which runs in 32-element blocks")
+    if shape["kv_dtype"] != "bf16":
+        raise InvalidArgumentError(f"shape key kv_dtype={shape['kv_dtype']!r}: only bf16 is implemented")
+
+
+# --- references -----------------------------------------------------------------------------
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def _bf16(x):
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _split_w(w_kv_b, heads: int, nope: int, v: int):
+    w = _f32(w_kv_b).reshape(heads, nope + v, -1)
+    return w[:, :nope], w[:, nope:]  # W_UK [H, nope, R], W_UV [H, v, R]
+
+
+def _softmax_pv(s, vals):
+    """Unnormalised softmax with the P that multiplies ``vals`` rounded to BF16, as the kernel does.
+
+    s: [..., q, k] f32 scores (masked entries -inf); vals: [..., k, d]. The row sum is taken over
+    the BF16-rounded P (the kernel sums what it multiplies).
+    """
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = _bf16(jnp.exp(s - m))
+    return jnp.einsum("...qk,...kd->...qd", p, vals) / jnp.sum(p, axis=-1, keepdims=True)
+
+
+def mla_decode_reference(q, kv_cache, w_kv_b, *, batch: int, context: int, heads: int, rank: int,
+                         rope: int, nope: int, v: int, scale: float):
+    """Absorbed-form MLA decode in pure JAX; BF16 roundings where the kernel rounds.
+
+    Returns out [batch*heads, v] BF16. q_lat, P and o_lat are rounded to BF16 (matrix-unit
+    operands); products accumulate in FP32.
+    """
+    qq = _f32(q).reshape(batch, heads, nope + rope)
+    kv = _f32(kv_cache).reshape(batch, context, rank + rope)
+    w_uk, w_uv = _split_w(w_kv_b, heads, nope, v)
+    q_lat = _bf16(jnp.einsum("bhn,hnr->bhr", qq[..., :nope], w_uk))
+    q_full = jnp.concatenate([q_lat, qq[..., nope:]], axis=-1)  # [B, H, R+P]
+    s = jnp.einsum("bhk,btk->bht", q_full, kv) * jnp.float32(scale)
+    o_lat = _bf16(_softmax_pv(s, kv[..., :rank]))  # [B, H, R]
+    out = jnp.einsum("bhr,hvr->bhv", o_lat, w_uv)
+    return np.asarray(out.reshape(batch * heads, v).astype(jnp.bfloat16))
+
+
+def mla_prefill_reference(q, kv_cache, w_kv_b, *, batch: int, seq: int, heads: int, rank: int,
+                          rope: int, nope: int, v: int, scale: float):
+    """Naive-form causal MLA prefill in pure JAX: decompress K/V (BF16), then attention.
+
+    Returns out [batch*seq*heads, v] BF16.
+    """
+    qq = _f32(q).reshape(batch, seq, heads, nope + rope).transpose(0, 2, 1, 3)  # [B, H, S, .]
+    kv = _f32(kv_cache).reshape(batch, seq, rank + rope)
+    w_uk, w_uv = _split_w(w_kv_b, heads, nope, v)
+    k_nope = _bf16(jnp.einsum("bsr,hnr->bhsn", kv[..., :rank], w_uk))
+    k_pe = jnp.broadcast_to(kv[:, None, :, rank:], (batch, heads, seq, rope))
+    k = jnp.concatenate([k_nope, k_pe], axis=-1)
+    vv = _bf16(jnp.einsum("bsr,hvr->bhsv", kv[..., :rank], w_uv))
+    s = jnp.einsum("bhqd,bhkd->bhqk", qq, k) * jnp.float32(scale)
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    s = jnp.where(causal, s, -jnp.inf)
+    out = _softmax_pv(s, vv).transpose(0, 2, 1, 3)  # [B, S, H, v]
+    return np.asarray(out.reshape(batch * seq * heads, v).astype(jnp.bfloat16))
+
+
+def _inputs(seed: int, q_rows: int, kv_rows: int, heads: int, rank: int, rope: int, nope: int,
+            v: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # Weights ~ N(0, 1/rank) so decompressed keys and values are O(1), like a trained layer's.
+    return {
+        "q": rng.standard_normal((q_rows, nope + rope)).astype(_BF16),
+        "kv_cache": rng.standard_normal((kv_rows, rank + rope)).astype(_BF16),
+        "w_kv_b": (rng.standard_normal((heads * (nope + v), rank)) / math.sqrt(rank)).astype(_BF16),
+    }
+
+
+_TOLERANCE = Tolerance(
+    atol=2e-3, rtol=2.0**-5,
+    why="the kernel's online softmax rounds P to BF16 relative to the running maximum and sums "
+        "products in 32-element blocks in K order, the reference relative to the final maximum "
+        "in XLA's order: P differs by up to one BF16 ulp (2^-8), which moves the BF16 latent "
+        "output o_lat by an ulp in places and the BF16 result by a few ulps")
+
+
+# --- the flash loop shared by decode and prefill --------------------------------------------
+@dataclass
+class _FlashTile:
+    """One scores/softmax/PV step of the flash loop.
+
+    rows: query rows (heads in decode, queries in prefill); cols: keys in this tile.
+    state: which of the two softmax states (m, l, o) this tile's query block uses.
+    first/last: first/last key tile of its query block. mask: [rows, cols] f32 tile added to
+    the scores (causal diagonal), or None. scores(acc)/pv(acc, p): issue the two matmuls (after
+    whatever waits they need) on the matrix unit. finish(o_f32, l): issue the normalisation on
+    the vector unit (after ``last``).
+    """
+
+    rows: int
+    cols: int
+    state: int
+    first: bool
+    last: bool
+    scores: Any
+    pv: Any
+    finish: Any
+    mask: Tile | None = None
+
+
+class _Flash:
+    """Per-core buffers and semaphores of the online-softmax loop; ``run`` issues a list of tiles.
+
+    Semaphores count tiles over the core's whole program (``self.g``), each signalled by one
+    in-order engine, so the j-th signal means "tile j done".
+    """
+
+    def __init__(self, kb: KernelBuilder, c: int, rows: int, tcols: int, dv: int, scale: float) -> None:
+        self.kb, self.core, self.scale = kb, kb.core(c), scale
+        self.acc_s = [kb.acc(c, f"fl.acc_s{i}", (rows, tcols)) for i in range(2)]
+        self.acc_pv = [kb.acc(c, f"fl.acc_pv{i}", (rows, dv)) for i in range(2)]
+        self.s = kb.sram(c, "fl.s", (rows, tcols), "f32")
+        self.p = [kb.sram(c, f"fl.p{i}", (rows, tcols), "bf16") for i in range(2)]
+        self.o = [kb.sram(c, f"fl.o{i}", (rows, dv), "f32") for i in range(2)]
+        self.pv_f = kb.sram(c, "fl.pv", (rows, dv), "f32")
+        col = {n: kb.sram(c, f"fl.{n}", (rows, 1), "f32") for n in
+               ("m0", "m1", "l0", "l1", "a0", "a1", "mt", "mnew", "lt", "linv")}
+        self.m, self.l, self.alpha = [col["m0"], col["m1"]], [col["l0"], col["l1"]], [col["a0"], col["a1"]]
+        self.mt, self.mnew, self.lt, self.linv = col["mt"], col["mnew"], col["lt"], col["linv"]
+        self.s_ready = kb.semaphore(f"c{c}.s_ready")
+        self.s_free = kb.semaphore(f"c{c}.s_free")
+        self.p_ready = kb.semaphore(f"c{c}.p_ready")
+        self.pv_done = kb.semaphore(f"c{c}.pv_done")
+        self.pv_free = kb.semaphore(f"c{c}.pv_free")
+        self.g = 0  # tiles issued so far on this core
+
+    def run(self, tiles: list[_FlashTile]) -> None:
+        """Issue ``tiles`` in order; the matrix unit runs scores(j+1) before pv(j)."""
+        base = self.g
+        mxu, vpu = self.core.mxu, self.core.vpu
+        for j in range(len(tiles) + 1):
+            if j < len(tiles):  # matrix unit: scores of tile j, then PV of tile j-1
+                self._scores(base + j, tiles[j], mxu)
+            if j >= 1:
+                self._pv(base + j - 1, tiles[j - 1], mxu)
+            if j < len(tiles):  # vector unit: softmax of tile j, then the output update of j-1
+                self._softmax(base + j, tiles[j], vpu)
+            if j >= 1:
+                self._update(base + j - 1, tiles[j - 1], vpu)
+        self.g = base + len(tiles)
+
+    def _scores(self, g: int, t: _FlashTile, mxu) -> None:
+        if g >= 2:  # the vector unit has read acc_s[g % 2] of tile g-2
+            mxu.wait(self.s_free, g - 1)
+        t.scores(self.acc_s[g % 2].sub(0, 0, t.rows, t.cols))
+        mxu.signal(self.s_ready)
+
+    def _pv(self, g: int, t: _FlashTile, mxu) -> None:
+        mxu.wait(self.p_ready, g + 1)
+        if g >= 2:
+            mxu.wait(self.pv_free, g - 1)
+        t.pv(self.acc_pv[g % 2].sub(0, 0, t.rows, self.acc_pv[0].cols),
+             self.p[g % 2].sub(0, 0, t.rows, t.cols))
+        mxu.signal(self.pv_done)
+
+    def _softmax(self, g: int, t: _FlashTile, v) -> None:
+        r, n, k = t.rows, t.cols, t.state
+        s = self.s.sub(0, 0, r, n)
+        p = self.p[g % 2].sub(0, 0, r, n)
+        m, l_, a = self.m[k].sub(0, 0, r, 1), self.l[k].sub(0, 0, r, 1), self.alpha[g % 2].sub(0, 0, r, 1)
+        mt, mnew, lt = self.mt.sub(0, 0, r, 1), self.mnew.sub(0, 0, r, 1), self.lt.sub(0, 0, r, 1)
+        v.wait(self.s_ready, g + 1)
+        v.acc_read(s, self.acc_s[g % 2].sub(0, 0, r, n))
+        v.signal(self.s_free)
+        v.scale(s, s, self.scale)
+        if t.mask is not None:
+            v.add(s, s, t.mask)
+        if t.first:
+            v.reduce("max", m, s)
+        else:  # new running max; alpha = exp(m_old - m_new) rescales what came before
+            v.reduce("max", mt, s)
+            v.max(mnew, m, mt)
+            v.sub(a, m, mnew)
+            v.exp(a, a)
+            v.copy(m, mnew)
+        v.sub(s, s, m)
+        v.exp(p, s)  # P rounded to BF16 for the matrix unit; the row sum is over that same P
+        if t.first:
+            v.reduce("sum", l_, p)
+        else:
+            v.reduce("sum", lt, p)
+            v.mul(l_, l_, a)
+            v.add(l_, l_, lt)
+        v.signal(self.p_ready)
+
+    def _update(self, g: int, t: _FlashTile, v) -> None:
+        r, k = t.rows, t.state
+        o, pv = self.o[k].sub(0, 0, r, self.o[k].cols), self.pv_f.sub(0, 0, r, self.pv_f.cols)
+        v.wait(self.pv_done, g + 1)
+        if t.first:
+            v.acc_read(o, self.acc_pv[g % 2].sub(0, 0, r, o.cols))
+        else:
+            v.acc_read(pv, self.acc_pv[g % 2].sub(0, 0, r, o.cols))
+            v.mul(o, o, self.alpha[g % 2].sub(0, 0, r, 1))
+            v.add(o, o, pv)
+        v.signal(self.pv_free)
+        if t.last:
+            v.recip(self.linv.sub(0, 0, r, 1), self.l[k].sub(0, 0, r, 1))
+            t.finish(o, self.linv.sub(0, 0, r, 1))
+
+    @staticmethod
+    def sram_bytes(rows: int, tcols: int, dv: int) -> int:
+        """Scratchpad the loop's buffers take (excluding alignment)."""
+        return rows * tcols * (4 + 2 * 2) + rows * dv * 4 * 3 + 10 * max(rows * 4, 64)
+
+    @staticmethod
+    def acc_bytes(rows: int, tcols: int, dv: int) -> int:
+        return 2 * rows * tcols * 4 + 2 * rows * dv * 4
+
+
+def _rows_of(t: Tile, first: int, count: int, every: int) -> Tile:
+    """``count`` rows of HBM/SRAM tile ``t`` starting at ``first``, taking every ``every``-th row."""
+    return Tile(t.space, t.core, t.offset + first * t.stride, t.dtype, count, t.cols, t.stride * every)
+
+
+def _pick_tile(limit: int, length: int, fixed: int, per: int, cap: int, what: str, override: int) -> int:
+    """Largest multiple of 32 <= min(limit, length) with fixed + tile*per <= cap (or ``override``)."""
+    fit = (cap - fixed) // per if per else limit
+    if override:
+        if override % 32 or override < 32:
+            raise InvalidArgumentError(f"shape key kv_tile={override} must be a positive multiple of 32")
+        if override > min(fit, limit):
+            raise InvalidArgumentError(f"shape key kv_tile={override} does not fit: {what}")
+        return override
+    t = min(limit, length, fit) // 32 * 32
+    if t < 32:
+        raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
+    return t
+
+
+# --- decode ---------------------------------------------------------------------------------
+def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """Absorbed MLA decode: ``batch`` sequences, one query token each, ``context`` cached tokens."""
+    _check_dims(shape, "context")
+    B, C, H = shape["batch"], shape["context"], shape["q_heads"]
+    R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
+    scale = _scale(shape)
+    cores = spec.core.count
+    n_att, n_head = min(cores, B), min(cores, H)
+    hpc, bpc = -(-H // n_head), -(-B // n_att)  # heads per head-core, sequences per attention core
+    n_head = -(-H // hpc)  # cores that actually own heads
+    W = R + P  # one cache row
+
+    sram_fixed = (hpc * (N * R + V * R + B * N + 2 * B * R + B * V) * 2
+                  + bpc * H * (W + R) * 2 + _Flash.sram_bytes(H, 0, R) + _SLACK)
+    acc_fixed = hpc * B * (R + V) * 4 + _Flash.acc_bytes(H, 0, R) + _SLACK
+    per_sram = 2 * W * 2 + _Flash.sram_bytes(H, 1, R) - _Flash.sram_bytes(H, 0, R)
+    cap_s, cap_a = spec.sram.scratchpad_bytes, spec.sram.accumulator_bytes
+    what = (f"q_heads={H}, kv_lora_rank={R}, batch={B} need {sram_fixed:,} B of scratchpad and "
+            f"{acc_fixed:,} B of accumulators before any context tile; {spec.name} has "
+            f"{cap_s:,} B and {cap_a:,} B per core")
+    acc_fit = (cap_a - acc_fixed) // (2 * H * 4) // 32 * 32  # scores accumulators, double-buffered
+    if acc_fit < 32:
+        raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
+    T = _pick_tile(min(_MAX_DECODE_TILE, acc_fit), C, sram_fixed, per_sram, cap_s, what,
+                   shape["kv_tile"])
+    # Spare scratchpad buys deeper prefetch: a tile's load (set-up + latency + bytes) takes longer
+    # than one tile of matrix work, so two buffers would leave the matrix unit waiting.
+    nbuf = min(_MAX_DECODE_BUFFERS, 2 + (cap_s - sram_fixed - T * per_sram) // (T * W * 2))
+
+    kb = KernelBuilder(f"mla_decode_b{B}_c{C}_h{H}", chip=spec)
+    q_h = kb.hbm("q", (B * H, N + P), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * C, W), "bf16")
+    w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
+    out_h = kb.hbm("out", (B * H, V), "bf16")
+
+    head_cores = list(range(n_head))
+    heads_of = {c: list(range(c * hpc, min(H, (c + 1) * hpc))) for c in head_cores}
+    batches_of = {a: [b for b in range(B) if b % n_att == a] for a in range(n_att)}
+    qlat_sent, olat_sent = kb.semaphore("qlat_sent"), kb.semaphore("olat_sent")
+    n_copy_q = 3  # DMA queues 1..3 carry the cross-core copies
+
+    # Allocations first, so that every core can address the others' buffers.
+    hb: dict[int, dict[str, Any]] = {}
+    for c in head_cores:
+        nh = len(heads_of[c])
+        hb[c] = {"wuk": kb.sram(c, "wuk", (nh * N, R), "bf16"),
+                 "wuv": kb.sram(c, "wuv", (nh * V, R), "bf16"),
+                 "qn": kb.sram(c, "qn", (nh * B, N), "bf16"),
+                 "qlat": kb.sram(c, "qlat", (nh * B, R), "bf16"),  # row hl*B + b
+                 "obuf": kb.sram(c, "obuf", (nh * B, R), "bf16"),  # row hl*B + b
+                 "ob": kb.sram(c, "ob", (nh * B, V), "bf16"),
+                 "accq": kb.acc(c, "accq", (nh * B, R)), "acco": kb.acc(c, "acco", (nh * B, V))}
+    ab: dict[int, dict[str, Any]] = {}
+    for a in range(n_att):
+        nb = len(batches_of[a])
+        ab[a] = {"qbuf": kb.sram(a, "qbuf", (nb * H, W), "bf16"),  # [q_lat | q_pe], row bl*H + h
+                 "olat": kb.sram(a, "olat", (nb * H, R), "bf16"),
+                 "kv": [kb.sram(a, f"kv{i}", (T, W), "bf16") for i in range(nbuf)]}
+
+    # Phase 1: absorb W_UK into q (per head, M = batch), deliver q_lat to the sequences' cores.
+    qlat_signals = 0
+    for c in head_cores:
+        core, hs, d = kb.core(c), heads_of[c], hb[c]
+        loaded, acc_ready, read = (kb.semaphore(f"c{c}.{n}") for n in ("wq_loaded", "q_acc", "q_read"))
+        wuv_loaded = d["wuv_loaded"] = kb.semaphore(f"c{c}.wuv_loaded")
+        for hl, h in enumerate(hs):
+            core.dma[0].load(d["wuk"].sub(hl * N, 0, N, R), w_h.sub(h * (N + V), 0, N, R))
+            core.dma[0].load(d["qn"].sub(hl * B, 0, B, N), _rows_of(q_h.sub(0, 0, B * H, N), h, B, H))
+            core.dma[3].load(d["wuv"].sub(hl * V, 0, V, R), w_h.sub(h * (N + V) + N, 0, V, R))
+        core.dma[0].signal(loaded)
+        core.dma[3].signal(wuv_loaded)
+        core.mxu.wait(loaded, 1)
+        for hl in range(len(hs)):
+            core.mxu.matmul(d["accq"].sub(hl * B, 0, B, R), d["qn"].sub(hl * B, 0, B, N),
+                            d["wuk"].sub(hl * N, 0, N, R), mode="overwrite")
+        core.mxu.signal(acc_ready)
+        core.vpu.wait(acc_ready, 1)
+        core.vpu.acc_read(d["qlat"], d["accq"])
+        core.vpu.signal(read)
+        used = set()
+        for i, b in enumerate(range(B)):
+            a, bl = b % n_att, batches_of[b % n_att].index(b)
+            q = core.dma[1 + i % n_copy_q]
+            if q.engine.queue not in used:
+                q.wait(read, 1)
+                used.add(q.engine.queue)
+            # rows b, b+B, ... (one per local head) -> rows h0.. of sequence b's [q_lat | q_pe]
+            q.copy(ab[a]["qbuf"].sub(bl * H + hs[0], 0, len(hs), R), _rows_of(d["qlat"], b, len(hs), B))
+        for qi in sorted(used):
+            core.dma[qi].signal(qlat_sent)
+        qlat_signals += len(used)
+
+    # Phase 2: attention over the latent cache, sequences split over cores.
+    olat_signals = 0
+    for a in range(n_att):
+        core, d, bs = kb.core(a), ab[a], batches_of[a]
+        fl = _Flash(kb, a, H, T, R, scale)
+        qpe_loaded, kv_loaded, olat_ready = (kb.semaphore(f"c{a}.{n}") for n in
+                                             ("qpe_loaded", "kv_loaded", "olat_ready"))
+        for bl, b in enumerate(bs):
+            core.dma[0].load(d["qbuf"].sub(bl * H, R, H, P), q_h.sub(b * H, N, H, P))
+        core.dma[0].signal(qpe_loaded)
+        core.mxu.wait(qpe_loaded, 1)
+        core.mxu.wait(qlat_sent, qlat_signals)
+        tiles: list[_FlashTile] = []
+        for bl, b in enumerate(bs):
+            qbuf = d["qbuf"].sub(bl * H, 0, H, W)
+            starts = list(range(0, C, T))
+            for j, t0 in enumerate(starts):
+                n = min(T, C - t0)
+                g = fl.g + len(tiles)
+                buf = d["kv"][g % nbuf].sub(0, 0, n, W)
+                if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
+                    core.dma[0].wait(fl.pv_done, g - nbuf + 1)
+                core.dma[0].load(buf, kv_h.sub(b * C + t0, 0, n, W))
+                core.dma[0].signal(kv_loaded)
+
+                # The callbacks run inside fl.run below, in this core's iteration; defaults bind
+                # the loop variables all the same.
+                def scores(acc, g=g, buf=buf, qbuf=qbuf, core=core, kv_loaded=kv_loaded):
+                    core.mxu.wait(kv_loaded, g + 1)
+                    core.mxu.matmul_t(acc, qbuf, buf, mode="overwrite")
+
+                def pv(acc, p, buf=buf, core=core):
+                    core.mxu.matmul(acc, p, buf.sub(0, 0, buf.rows, R), mode="overwrite")
+
+                def finish(o, linv, bl=bl, core=core, d=d, olat_ready=olat_ready):
+                    core.vpu.mul(d["olat"].sub(bl * H, 0, H, R), o, linv)
+                    core.vpu.signal(olat_ready)
+
+                tiles.append(_FlashTile(H, n, bl % 2, j == 0, j == len(starts) - 1, scores, pv, finish))
+        fl.run(tiles)
+        used = set()
+        for bl, b in enumerate(bs):
+            for i, c in enumerate(head_cores):
+                q = core.dma[1 + (bl * len(head_cores) + i) % n_copy_q]
+                q.wait(olat_ready, bl + 1)
+                used.add(q.engine.queue)
+                hs = heads_of[c]
+                q.copy(_rows_of(hb[c]["obuf"], b, len(hs), B), d["olat"].sub(bl * H + hs[0], 0, len(hs), R))
+        for qi in sorted(used):
+            core.dma[qi].signal(olat_sent)
+        olat_signals += len(used)
+
+    # Phase 3: up-projection with W_UV per head (M = batch), stored to out rows b*H + h.
+    for c in head_cores:
+        core, hs, d = kb.core(c), heads_of[c], hb[c]
+        acc_ready, stored_ready = kb.semaphore(f"c{c}.o_acc"), kb.semaphore(f"c{c}.o_ready")
+        core.mxu.wait(olat_sent, olat_signals)
+        core.mxu.wait(d["wuv_loaded"], 1)
+        for hl in range(len(hs)):
+            core.mxu.matmul_t(d["acco"].sub(hl * B, 0, B, V), d["obuf"].sub(hl * B, 0, B, R),
+                              d["wuv"].sub(hl * V, 0, V, R), mode="overwrite")
+            core.mxu.signal(acc_ready)
+        for hl, h in enumerate(hs):
+            core.vpu.wait(acc_ready, hl + 1)
+            core.vpu.acc_read(d["ob"].sub(hl * B, 0, B, V), d["acco"].sub(hl * B, 0, B, V))
+            core.vpu.signal(stored_ready)
+            q = core.dma[2]
+            q.wait(stored_ready, hl + 1)
+            q.store(_rows_of(out_h, h, B, H), d["ob"].sub(hl * B, 0, B, V))
+
+    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        return _inputs(seed, B * H, B * C, H, R, P, N, V)
+
+    def reference(inputs):
+        return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                            batch=B, context=C, **dims)}
+
+    cache_bytes = B * C * W * 2
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE,
+        notes={"kv_tile": T, "kv_buffers": nbuf, "attention_cores": n_att, "head_cores": n_head,
+               "softmax_scale": scale,
+               "latent_cache_bytes": cache_bytes, "weight_bytes": H * (N + V) * R * 2,
+               "q_out_bytes": B * H * (N + P + V) * 2},
+    )
+
+
+# --- prefill --------------------------------------------------------------------------------
+def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """Naive-form causal MLA prefill over ``batch`` sequences of ``seq`` tokens (no prior context)."""
+    _check_dims(shape, "seq")
+    B, S, H = shape["batch"], shape["seq"], shape["q_heads"]
+    R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
+    scale = _scale(shape)
+    W, D = R + P, N + P  # cache row, q/k head dim
+    cap_s, cap_a = spec.sram.scratchpad_bytes, spec.sram.accumulator_bytes
+    # Per item: Q_h, K_h, V_h and out_h for the whole sequence stay in SRAM; per tile T the
+    # latent tiles, the mask and the flash buffers (quadratic in T, so try T from the top).
+    sram_fixed = S * (2 * D + V + V) * 2 + (N + V) * R * 2 + _SLACK
+
+    def fits(t: int) -> bool:
+        sram = sram_fixed + 2 * t * W * 2 + t * t * 4 + _Flash.sram_bytes(t, t, V)
+        return sram <= cap_s and _Flash.acc_bytes(t, t, V) + 2 * t * (N + V) * 4 <= cap_a
+
+    what = (f"seq={S} with head dims {D} (q/k) and {V} (v) needs {sram_fixed:,} B of scratchpad "
+            f"for one (sequence, head) item's Q, K, V and output plus the tiles; {spec.name} has "
+            f"{cap_s:,} B of scratchpad and {cap_a:,} B of accumulators per core")
+    if shape["kv_tile"]:
+        T = shape["kv_tile"]
+        if T % 32:
+            raise InvalidArgumentError(f"shape key kv_tile={T} must be a positive multiple of 32")
+        if not fits(T):
+            raise InvalidArgumentError(f"shape key kv_tile={T} does not fit: {what}")
+    else:
+        T = next((t for t in range(min(_MAX_PREFILL_TILE, S) // 32 * 32, 0, -32) if fits(t)), 0)
+        if not T:
+            raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
+
+    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_h{H}", chip=spec)
+    q_h = kb.hbm("q", (B * S * H, D), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * S, W), "bf16")
+    w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
+    mask_h = kb.hbm("causal_mask", (T, T), "f32")
+    out_h = kb.hbm("out", (B * S * H, V), "bf16")
+    items = [(b, h) for b in range(B) for h in range(H)]
+    cores = min(spec.core.count, len(items))
+    starts = list(range(0, S, T))
+    for c in range(cores):
+        mine = items[c::cores]
+        core = kb.core(c)
+        fl = _Flash(kb, c, T, T, V, scale)
+        wuk, wuv = kb.sram(c, "wuk", (N, R), "bf16"), kb.sram(c, "wuv", (V, R), "bf16")
+        qs, ks = kb.sram(c, "q", (S, D), "bf16"), kb.sram(c, "k", (S, D), "bf16")
+        vs, os_ = kb.sram(c, "v", (S, V), "bf16"), kb.sram(c, "out", (S, V), "bf16")
+        mask = kb.sram(c, "mask", (T, T), "f32")
+        ckv = [kb.sram(c, f"ckv{i}", (T, W), "bf16") for i in range(2)]
+        acc_k = [kb.acc(c, f"acc_k{i}", (T, N)) for i in range(2)]
+        acc_v = [kb.acc(c, f"acc_v{i}", (T, V)) for i in range(2)]
+        sem = {n: kb.semaphore(f"c{c}.{n}") for n in (
+            "w", "ckv", "ckv_used", "kv_acc", "kv_acc_free", "kv_written", "q", "item_mxu_done",
+            "out_ready", "out_stored", "mask")}
+        core.dma[3].load(mask, mask_h)
+        core.dma[3].signal(sem["mask"])
+        core.vpu.wait(sem["mask"], 1)
+        d = 0  # decompression tiles issued on this core
+        for it, (b, h) in enumerate(mine):
+            dq = core.dma[0]
+            if it:  # the previous item's matrix-unit work read these buffers
+                dq.wait(sem["item_mxu_done"], it)
+            dq.load(wuk, w_h.sub(h * (N + V), 0, N, R))
+            dq.load(wuv, w_h.sub(h * (N + V) + N, 0, V, R))
+            dq.load(ks.sub(0, N, S, P), kv_h.sub(b * S, R, S, P))  # k_pe, shared by all heads
+            dq.signal(sem["w"])
+            # Decompress K_h (nope part) and V_h tile by tile.
+            for i, t0 in enumerate(starts):
+                n, k = min(T, S - t0), d + i
+                if k >= 2:
+                    dq.wait(sem["ckv_used"], k - 1)
+                dq.load(ckv[k % 2].sub(0, 0, n, W), kv_h.sub(b * S + t0, 0, n, W))
+                dq.signal(sem["ckv"])
+            for i, t0 in enumerate(starts):
+                n, k = min(T, S - t0), d + i
+                src = ckv[k % 2].sub(0, 0, n, R)
+                core.mxu.wait(sem["w"], it + 1)
+                core.mxu.wait(sem["ckv"], k + 1)
+                if k >= 2:
+                    core.mxu.wait(sem["kv_acc_free"], k - 1)
+                core.mxu.matmul_t(acc_k[k % 2].sub(0, 0, n, N), src, wuk, mode="overwrite")
+                core.mxu.matmul_t(acc_v[k % 2].sub(0, 0, n, V), src, wuv, mode="overwrite")
+                core.mxu.signal(sem["ckv_used"])
+                core.mxu.signal(sem["kv_acc"])
+                core.vpu.wait(sem["kv_acc"], k + 1)
+                core.vpu.acc_read(ks.sub(t0, 0, n, N), acc_k[k % 2].sub(0, 0, n, N))
+                core.vpu.acc_read(vs.sub(t0, 0, n, V), acc_v[k % 2].sub(0, 0, n, V))
+                core.vpu.signal(sem["kv_acc_free"])
+            d += len(starts)
+            core.vpu.signal(sem["kv_written"])
+            # Q_h, one query tile per descriptor so that the first tile can start early.
+            q_rows = q_h.sub(0, 0, B * S * H, D)
+            for t0 in starts:
+                n = min(T, S - t0)
+                dq.load(qs.sub(t0, 0, n, D), _rows_of(q_rows, (b * S + t0) * H + h, n, H))
+                dq.signal(sem["q"])
+            core.mxu.wait(sem["kv_written"], it + 1)
+            tiles = []
+            for i, t0 in enumerate(starts):
+                nq = min(T, S - t0)
+                for j in range(i + 1):
+                    k0, nk = j * T, min(T, S - j * T)
+
+                    # Called inside fl.run below, in this item's iteration; defaults bind anyway.
+                    def scores(acc, i=i, t0=t0, nq=nq, k0=k0, nk=nk, j=j, it=it, core=core, sem=sem,
+                               qs=qs, ks=ks):
+                        if j == 0:
+                            core.mxu.wait(sem["q"], it * len(starts) + i + 1)
+                        core.mxu.matmul_t(acc, qs.sub(t0, 0, nq, D), ks.sub(k0, 0, nk, D),
+                                          mode="overwrite")
+
+                    def pv(acc, p, k0=k0, nk=nk, core=core, vs=vs):
+                        core.mxu.matmul(acc, p, vs.sub(k0, 0, nk, V), mode="overwrite")
+
+                    def finish(o, linv, t0=t0, nq=nq, i=i, it=it, core=core, sem=sem, os_=os_):
+                        if i == 0 and it:  # the previous item's output has left SRAM
+                            core.vpu.wait(sem["out_stored"], it)
+                        core.vpu.mul(os_.sub(t0, 0, nq, V), o, linv)
+                        core.vpu.signal(sem["out_ready"])
+
+                    tiles.append(_FlashTile(nq, nk, i % 2, j == 0, j == i, scores, pv, finish,
+                                            mask.sub(0, 0, nq, nk) if j == i else None))
+            fl.run(tiles)
+            core.mxu.signal(sem["item_mxu_done"])
+            sq = core.dma[2]
+            for i, t0 in enumerate(starts):
+                n = min(T, S - t0)
+                sq.wait(sem["out_ready"], it * len(starts) + i + 1)
+                sq.store(_rows_of(out_h.sub(0, 0, B * S * H, V), (b * S + t0) * H + h, n, H),
+                         os_.sub(t0, 0, n, V))
+            sq.signal(sem["out_stored"])
+
+    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        ins = _inputs(seed, B * S * H, B * S, H, R, P, N, V)
+        ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
+        return ins
+
+    def reference(inputs):
+        return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                             batch=B, seq=S, **dims)}
+
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
+        notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale,
+               "form": "naive (decompressed K/V)"},
+    )
+
+
+_COMMON = (
+    ShapeKey("q_heads", int, 8, "query heads (DeepSeek-R1: 128, Kimi K2.5: 64)", minimum=1),
+    ShapeKey("kv_lora_rank", int, 64, "latent width of the cache (DeepSeek/Kimi: 512); multiple of 32",
+             minimum=32),
+    ShapeKey("rope_dim", int, 32, "shared rope key width (qk_rope_head_dim, 64); multiple of 32",
+             minimum=32),
+    ShapeKey("nope_dim", int, 32, "per-head non-rope q/k width (qk_nope_head_dim, 128); multiple of 32",
+             minimum=32),
+    ShapeKey("v_head_dim", int, 32, "per-head value width (128)", minimum=1),
+    ShapeKey("kv_dtype", str, "bf16", "latent cache dtype", choices=("bf16",)),
+    ShapeKey("softmax_scale", float, 0.0, "score scale; 0: 1/sqrt(nope_dim + rope_dim) "
+             "(DeepSeek YaRN: mla.yarn_softmax_scale())"),
+    ShapeKey("kv_tile", int, 0, "tokens per tile (multiple of 32); 0: the largest that fits", minimum=0),
+)
+
+MLA_DECODE = register(KernelDef(
+    name="mla-decode",
+    doc="Multi-head latent attention decode, absorbed weights: the latent cache is read once for "
+        "all heads (DeepSeek-R1, Kimi K2.5).",
+    shape_keys=(
+        ShapeKey("batch", int, 2, "sequences (one query token each)", minimum=1),
+        ShapeKey("context", int, 96, "cached tokens per sequence; multiple of 32", minimum=32),
+        *_COMMON,
+    ),
+    build=build_mla_decode,
+))
+
+MLA_PREFILL = register(KernelDef(
+    name="mla-prefill",
+    doc="Multi-head latent attention prefill, naive form: K/V decompressed from the latent per "
+        "head, causal flash attention.",
+    shape_keys=(
+        ShapeKey("batch", int, 1, "sequences", minimum=1),
+        ShapeKey("seq", int, 64, "tokens per sequence (causal, no prior context); multiple of 32",
+                 minimum=32),
+        *_COMMON,
+    ),
+    build=build_mla_prefill,
+))

@@ -1,0 +1,134 @@
+"""mla-decode / mla-prefill: reference agreement, absorbed == naive math, shape refusals, full-size timing.
+
+Also the one instruction the family added, ``mxu.matmul_t`` (a @ b^T), against numpy.
+"""
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.kernels import get_kernel, run_kernel
+from jalapeno_emu.kernels.mla import mla_decode_reference, yarn_softmax_scale
+from jalapeno_emu.mx import quantize
+
+DEEPSEEK = {"q_heads": 128, "kv_lora_rank": 512, "rope_dim": 64, "nope_dim": 128, "v_head_dim": 128}
+
+
+def test_matmul_t_is_a_times_b_transposed_bf16_and_mx():
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((8, 64)).astype(np.float32)
+    b = rng.standard_normal((16, 64)).astype(np.float32)
+    kb = KernelBuilder("mmt", chip="tiny")
+    a_h, b_h = kb.hbm("a", (8, 64), "bf16"), kb.hbm("b", (16, 64), "bf16")
+    bq_h = kb.hbm_mx("bq", (16, 64), "fp8e4", axis=1)  # blocked along K = its columns
+    aq_h = kb.hbm_mx("aq", (8, 64), "fp8e4", axis=1)
+    out_h, outq_h = kb.hbm("out", (8, 16), "f32"), kb.hbm("outq", (8, 16), "f32")
+    c = kb.core(0)
+    a_s, b_s = kb.sram(0, "a", (8, 64), "bf16"), kb.sram(0, "b", (16, 64), "bf16")
+    aq_s, bq_s = kb.sram_mx(0, "aq", (8, 64), "fp8e4"), kb.sram_mx(0, "bq", (16, 64), "fp8e4")
+    acc, accq = kb.acc(0, "acc", (8, 16)), kb.acc(0, "accq", (8, 16))
+    o, oq = kb.sram(0, "o", (8, 16), "f32"), kb.sram(0, "oq", (8, 16), "f32")
+    loaded, done = kb.semaphore("loaded"), kb.semaphore("done")
+    for dst, src in ((a_s, a_h), (b_s, b_h), (aq_s.codes, aq_h.codes), (aq_s.scales, aq_h.scales),
+                     (bq_s.codes, bq_h.codes), (bq_s.scales, bq_h.scales)):
+        c.dma[0].load(dst, src)
+    c.dma[0].signal(loaded)
+    c.mxu.wait(loaded, 1)
+    c.mxu.matmul_t(acc, a_s, b_s, mode="overwrite")
+    c.mxu.matmul_t(accq, aq_s.codes, bq_s.codes, a_scale=aq_s.scales, b_scale=bq_s.scales,
+                   mode="overwrite")
+    c.mxu.signal(done)
+    c.vpu.wait(done, 1)
+    c.vpu.acc_read(o, acc)
+    c.vpu.acc_read(oq, accq)
+    c.vpu.signal(loaded)
+    c.dma[1].wait(loaded, 2)
+    c.dma[1].store(out_h, o)
+    c.dma[1].store(outq_h, oq)
+    aq, bq = quantize(jnp.asarray(a), "e4m3", axis=1), quantize(jnp.asarray(b), "e4m3", axis=1)
+    res = run_functional(kb.build(), {"a": a.astype(ml_dtypes.bfloat16), "b": b.astype(ml_dtypes.bfloat16),
+                                      "aq": aq, "bq": bq})
+    want = a.astype(ml_dtypes.bfloat16).astype(np.float64) @ b.astype(ml_dtypes.bfloat16).astype(np.float64).T
+    np.testing.assert_allclose(res.read("out"), want, rtol=1e-5, atol=1e-4)
+    from jalapeno_emu.mx import dequantize
+    want_q = np.asarray(dequantize(aq), np.float64) @ np.asarray(dequantize(bq), np.float64).T
+    np.testing.assert_allclose(res.read("outq"), want_q, rtol=1e-5, atol=1e-4)
+
+
+def test_absorbed_reference_equals_naive_mla_in_float64():
+    """The absorbed decode reference is the same function as decompress-then-attend (up to BF16)."""
+    B, C, H, R, P, N, V = 2, 64, 4, 64, 32, 32, 32
+    inputs = get_kernel("mla-decode").build(
+        {"batch": B, "context": C, "q_heads": H, "kv_lora_rank": R, "rope_dim": P, "nope_dim": N,
+         "v_head_dim": V, "kv_dtype": "bf16", "softmax_scale": 0.0, "kv_tile": 0},
+        __import__("jalapeno_emu.chip", fromlist=["load_preset"]).load_preset("tiny")).make_inputs(3)
+    q = np.asarray(inputs["q"], np.float64).reshape(B, H, N + P)
+    kv = np.asarray(inputs["kv_cache"], np.float64).reshape(B, C, R + P)
+    w = np.asarray(inputs["w_kv_b"], np.float64).reshape(H, N + V, R)
+    k = np.concatenate([np.einsum("bcr,hnr->bhcn", kv[..., :R], w[:, :N]),
+                        np.broadcast_to(kv[:, None, :, R:], (B, H, C, P))], axis=-1)
+    v = np.einsum("bcr,hvr->bhcv", kv[..., :R], w[:, N:])
+    s = np.einsum("bhd,bhcd->bhc", q, k) / math.sqrt(N + P)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    naive = np.einsum("bhc,bhcv->bhv", p / p.sum(-1, keepdims=True), v).reshape(B * H, V)
+    got = mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"], batch=B, context=C,
+                               heads=H, rank=R, rope=P, nope=N, v=V, scale=1 / math.sqrt(N + P))
+    np.testing.assert_allclose(np.asarray(got, np.float64), naive, atol=0.02, rtol=0.02)
+
+
+def test_decode_matches_reference_over_tiles_and_sequences():
+    # 3 sequences on 2 cores (one core runs two, switching softmax state), 2 context tiles each.
+    r = run_kernel("mla-decode", {"batch": 3, "context": 64, "q_heads": 4, "kv_tile": 32}, check=True)
+    assert r.check["passed"], r.check
+    assert r.notes["kv_tile"] == 32 and r.summary["time_s"] >= r.summary["lower_bound_s"]
+
+
+def test_prefill_matches_reference_causal_over_tiles():
+    r = run_kernel("mla-prefill", {"batch": 2, "seq": 96, "q_heads": 3, "kv_tile": 32,
+                                   "softmax_scale": yarn_softmax_scale(64)}, check=True)
+    assert r.check["passed"], r.check
+
+
+def test_impossible_shapes_are_refused_before_building():
+    for key, value in (("kv_lora_rank", 48), ("rope_dim", 48), ("nope_dim", 40), ("context", 100)):
+        with pytest.raises(InvalidArgumentError, match=f"{key}={value} must be a multiple of 32"):
+            run_kernel("mla-decode", {key: value})
+    with pytest.raises(InvalidArgumentError, match="seq=70 must be a multiple of 32"):
+        run_kernel("mla-prefill", {"seq": 70})
+    with pytest.raises(InvalidArgumentError, match="tiling cannot hold"):  # DeepSeek on the tiny chip
+        run_kernel("mla-decode", DEEPSEEK)
+    with pytest.raises(InvalidArgumentError, match="tiling cannot hold"):
+        run_kernel("mla-prefill", {"seq": 8192})
+    with pytest.raises(InvalidArgumentError, match="kv_tile=48"):
+        run_kernel("mla-decode", {"kv_tile": 48})
+    with pytest.raises(InvalidArgumentError, match="softmax_scale"):
+        run_kernel("mla-decode", {"softmax_scale": -1.0})
+    with pytest.raises(InvalidArgumentError, match="kv_dtype"):
+        get_kernel("mla-decode").shape(texts=["kv_dtype=fp8"])
+
+
+def test_decode_full_size_reads_the_latent_cache_once():
+    """DeepSeek-R1 dims, batch 64 on jalapeno-v1 (timing only): HBM bytes = cache + weights + q/out."""
+    r = run_kernel("mla-decode", {"batch": 64, "context": 1024, **DEEPSEEK}, preset="jalapeno-v1")
+    cache = 64 * 1024 * (512 + 64) * 2
+    must = cache + r.notes["weight_bytes"] + r.notes["q_out_bytes"]
+    assert r.notes["latent_cache_bytes"] == cache
+    # Once per head would be 128x the cache; once is exactly these bytes.
+    assert must <= r.summary["hbm_bytes"] <= 1.01 * must
+    peak = r.summary["hbm_bytes"] / r.summary["time_s"] / r.summary["hbm_utilization"]
+    assert r.summary["time_s"] >= cache / peak
+    assert r.summary["hbm_utilization"] > 0.25  # at 2 tiles per core the fill/drain latencies show
+
+
+def test_prefill_full_dims_timing_only():
+    r = run_kernel("mla-prefill", {"batch": 1, "seq": 512, **DEEPSEEK}, preset="jalapeno-v1")
+    s = r.summary
+    # causal: 128 heads x (QK^T + PV) over the lower triangle of 2x2 tiles of 256, plus decompression
+    assert s["flops"] > 2 * 128 * (512 * 512 / 2) * (192 + 128)
+    assert s["time_s"] >= s["lower_bound_s"] and s["mxu_utilization"] > 0.05

@@ -21,6 +21,7 @@ before the other.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict
 
@@ -209,7 +210,7 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
 
     clocks = _Clocks()
     accesses: dict[tuple[Space, int], list[tuple[Tile, bool, Engine, int, dict, int]]] = defaultdict(list)
-    written: dict[tuple[Space, int], list[Tile]] = defaultdict(list)
+    written: dict[tuple[Space, int], _IntervalSet] = defaultdict(_IntervalSet)
     pending_barrier: dict[int, list[tuple[Engine, dict]]] = defaultdict(list)
     for idx in order:
         ins = program.instructions[idx]
@@ -232,21 +233,42 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
                     _check_initialized(tile, written[key], idx, ins, name)
                 _check_races(accesses[key], tile, False, eng, my_id, vc, idx, program, ins, name)
             _check_races(accesses[key], tile, writes, eng, my_id, vc, idx, program, ins, name)
-            accesses[key].append((tile, writes, eng, my_id, vc, idx))
+            accesses[key].append((tile.offset, tile.end, tile, writes, eng, my_id, idx))
             if writes and tile.space is not Space.HBM:
-                written[key].append(tile)
+                written[key].add_tile(tile)
     return order
 
 
-def _happens_before(x_eng: Engine, x_id: int, y_vc: dict) -> bool:
-    return y_vc.get(x_eng, 0) >= x_id
+def _contains(outer: Tile, inner: Tile) -> bool:
+    """True when every byte of ``inner`` is a byte of ``outer`` (exact for the common layouts)."""
+    if outer.contiguous:
+        return outer.offset <= inner.offset and inner.end <= outer.end
+    if inner.rows > 1 and inner.stride != outer.stride:
+        return False
+    rel = inner.offset - outer.offset
+    if rel < 0:
+        return False
+    row, col = divmod(rel, outer.stride)
+    return col + inner.row_bytes <= outer.row_bytes and row + inner.rows <= outer.rows
 
 
 def _check_races(prior, tile, writes, eng, my_id, vc, idx, program, ins, name) -> None:
+    """Raise Race if ``tile`` conflicts with an unordered earlier access; prune the history.
+
+    An earlier access X that happens before this access Y, lies inside Y's bytes, and is no
+    stronger than Y (Y writes, or X only reads) can never race with a later access Z unless Y
+    does too: Z comes later in a legal order, so Z is not before Y; if Z were after Y it would be
+    after X. Dropping such X keeps the history to roughly the live tiles.
+    """
+    s0, e0 = tile.offset, tile.end
     keep = []
     for entry in prior:
-        t, w, e, i, _, j = entry
-        if (w or writes) and tiles_overlap(t, tile) and not _happens_before(e, i, vc):
+        ps, pe, t, w, e, i, j = entry
+        if pe <= s0 or e0 <= ps:
+            keep.append(entry)
+            continue
+        hb = vc.get(e, 0) >= i
+        if (w or writes) and not hb and tiles_overlap(t, tile):
             other = program.instructions[j]
             raise Race(
                 f"operand {name} ({'writes' if writes else 'reads'}) overlaps instruction #{j} on "
@@ -256,21 +278,52 @@ def _check_races(prior, tile, writes, eng, my_id, vc, idx, program, ins, name) -
                 addresses=(tile.region(), t.region()),
                 hint="signal a semaphore after the first and wait for it before the second",
             )
-        # An access that happens before this write and lies inside it can never race again
-        # without this write racing first: forget it, to keep the scan short.
-        if writes and _happens_before(e, i, vc) and tile.contiguous and tile.offset <= t.offset \
-                and t.end <= tile.end:
+        if hb and (writes or not w) and _contains(tile, t):
             continue
         keep.append(entry)
     prior[:] = keep
 
 
-def _check_initialized(tile: Tile, writes: list[Tile], idx: int, ins: Instruction, name: str) -> None:
-    rows = np.arange(tile.rows, dtype=np.int64)
-    starts = tile.offset + rows * tile.stride
-    ends = starts + tile.row_bytes
-    covered = _covered(starts, ends, writes)
-    if not covered:
+class _IntervalSet:
+    """Disjoint, sorted byte intervals written so far in one memory (for uninitialised reads)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        """Insert [start, end), merging with neighbours it touches."""
+        i = bisect.bisect_left(self.ends, start)  # first interval that ends at or after start
+        j = bisect.bisect_right(self.starts, end)  # one past the last that starts at or before end
+        if i < j:
+            start = min(start, self.starts[i])
+            end = max(end, self.ends[j - 1])
+        self.starts[i:j] = [start]
+        self.ends[i:j] = [end]
+
+    def add_tile(self, tile: Tile) -> None:
+        """Insert every row of ``tile``."""
+        if tile.contiguous:
+            self.add(tile.offset, tile.end)
+            return
+        for r in range(tile.rows):
+            s = tile.offset + r * tile.stride
+            self.add(s, s + tile.row_bytes)
+
+    def covers(self, start: int, end: int) -> bool:
+        """True when [start, end) lies inside one interval."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        return i >= 0 and self.ends[i] >= end
+
+
+def _check_initialized(tile: Tile, written: _IntervalSet, idx: int, ins: Instruction, name: str) -> None:
+    if tile.contiguous:
+        ok = written.covers(tile.offset, tile.end)
+    else:
+        rb, st = tile.row_bytes, tile.stride
+        ok = all(written.covers(tile.offset + r * st, tile.offset + r * st + rb)
+                 for r in range(tile.rows))
+    if not ok:
         raise UninitializedRead(
             f"operand {name} reads {tile.space.value} bytes that nothing has written",
             index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
@@ -278,34 +331,3 @@ def _check_initialized(tile: Tile, writes: list[Tile], idx: int, ins: Instructio
                 "; the first matmul into fresh accumulators needs mode=overwrite"
                 if ins.mnemonic in _MATMULS and name == "acc" else ""),
         )
-
-
-def _covered(starts: np.ndarray, ends: np.ndarray, writes: list[Tile]) -> bool:
-    """True when every [start, end) interval is inside the union of the written tiles' rows."""
-    if not writes:
-        return False
-    lo, hi = int(starts.min()), int(ends.max())
-    spans = []
-    for t in writes:
-        if t.end <= lo or t.offset >= hi:
-            continue
-        if t.contiguous:
-            spans.append((t.offset, t.end))
-        else:
-            r = np.arange(t.rows, dtype=np.int64)
-            s = t.offset + r * t.stride
-            spans.extend(zip(s.tolist(), (s + t.row_bytes).tolist(), strict=True))
-    if not spans:
-        return False
-    spans.sort()
-    merged = [list(spans[0])]
-    for s, e in spans[1:]:
-        if s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    m_starts = np.array([m[0] for m in merged])
-    m_ends = np.array([m[1] for m in merged])
-    pos = np.searchsorted(m_starts, starts, side="right") - 1
-    ok = (pos >= 0) & (m_ends[np.maximum(pos, 0)] >= ends)
-    return bool(ok.all())

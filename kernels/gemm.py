@@ -16,9 +16,9 @@ sized so that there are at least as many blocks as cores and the accumulators ho
 two for double buffering), dealt to the cores in contiguous runs (neighbouring blocks share their
 rows of x). A core keeps its x row block [Mb, k] in SRAM (if it fits in a third of it; else x is
 streamed beside W) and streams W in K chunks (<= 512 deep) through 2-8 SRAM slots, slot s on
-DMA queue s % load_queues: the timing model holds
-a DMA queue at a ``sem.signal`` until that queue's transfers have landed, so one queue can only
-keep one chunk in flight and the stream is spread over queues to keep several. The matrix unit
+DMA queue s % load_queues, so several queues stream at once (the design dates from when a
+``sem.signal`` stalled its queue; signals no longer stall, and the spread now mainly interleaves
+the cores' streams over the pseudo-channels). The matrix unit
 accumulates the chunks in increasing K order (hence bit-exact with ``mx.matmul``); the vector
 unit moves a finished FP32 block to SRAM (adding the bias through an FP32 slab) and the last
 queue stores it. The last block's K range ends in a half-size chunk so that little matmul is
@@ -397,8 +397,7 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
 
     for c, r in per_core.items():
         items, core = plan.items[c], r["core"]
-        # Slot s loads on queue s % load_queues: a signal on a DMA queue holds that queue until
-        # its transfers land, so spreading slots over queues keeps several chunks in flight.
+        # Slot s loads on queue s % load_queues, so several queues keep chunks in flight.
         # The last queue stores the results (and streams too when the core has one block).
         st = core.dma[-1]
         mxu, vpu = core.mxu, core.vpu

@@ -10,30 +10,18 @@ Run: python benchmarks/bench_functional.py [--m 1024 --n 1024 --k 2048] [--json 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import run_functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _common import best_time_s, write_json
 from gemm_from_scratch import build_gemm
-
-
-def best_s(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -57,17 +45,15 @@ def main() -> None:
     first_s = time.perf_counter() - t0
     want = np.asarray(mx.matmul(a, b))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), "functional != mx.matmul"
-    emu_s = best_s(lambda: run_functional(prog, {"A": a, "B": b}).buffers, args.repeats)
-    ref_s = best_s(lambda: mx.matmul(a, b), args.repeats)
+    emu_s = best_time_s(lambda: run_functional(prog, {"A": a, "B": b}).buffers, args.repeats)
+    ref_s = best_time_s(lambda: mx.matmul(a, b), args.repeats)
     res = {"shape": [args.m, args.n, args.k], "instructions": len(prog.instructions),
            "build_s": build_s, "first_call_s": first_s, "functional_s": emu_s,
            "mx_matmul_s": ref_s, "ratio": emu_s / ref_s}
     for k, v in res.items():
         print(f"{k:>14}: {v}")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(res, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

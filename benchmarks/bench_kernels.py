@@ -10,25 +10,12 @@ Run: python benchmarks/bench_kernels.py [--preset tiny] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
 
-import jax
+from _common import best_time_s, write_json
 
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.kernels import all_kernels
-
-
-def best_s(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls (blocking on JAX results)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -45,17 +32,15 @@ def main() -> None:
         inputs = build.make_inputs(0)
         run_functional(build.program, inputs)  # compile
         build.reference(inputs)
-        emu = best_s(lambda b=build, x=inputs: run_functional(b.program, x).buffers, args.repeats)
-        ref = best_s(lambda b=build, x=inputs: b.reference(x), args.repeats)
+        emu = best_time_s(lambda b=build, x=inputs: run_functional(b.program, x).buffers, args.repeats)
+        ref = best_time_s(lambda b=build, x=inputs: b.reference(x), args.repeats)
         rows.append({"kernel": kdef.name, "shape": kdef.defaults(),
                      "instructions": len(build.program.instructions),
                      "functional_s": emu, "reference_s": ref, "ratio": emu / ref})
         print(f"{kdef.name:>18}: {len(build.program.instructions):5d} instr  functional "
               f"{emu * 1e3:8.2f} ms  reference {ref * 1e3:8.2f} ms  ratio {emu / ref:6.2f}x")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(rows, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

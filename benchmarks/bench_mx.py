@@ -12,7 +12,6 @@ after a warm-up (compilation excluded, reported separately).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -21,18 +20,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from _common import best_time_s, write_json
 
 from jalapeno_emu import mx
-
-
-def best_time_s(fn, repeats: int) -> float:
-    """Best wall time over ``repeats`` calls of ``fn`` (blocking on JAX results)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def first_call_s(fn) -> float:
@@ -85,9 +75,7 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"{k:>24}: {v:9.2f} x")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"results_s": results, "ratios": ratios, "env": env}, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, {"results_s": results, "ratios": ratios, "env": env})
 
 
 if __name__ == "__main__":

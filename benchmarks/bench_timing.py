@@ -20,27 +20,17 @@ best of several runs after one warm-up; building the programs (the builder) is n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 
 import numpy as np
+from _common import best_time_s, write_json
 
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu import costs, microbench, run_timing
 
 GOAL_PER_S = 500_000
-
-
-def best_time_s(fn, repeats: int) -> float:
-    """Best wall time over ``repeats`` calls of ``fn``."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -96,9 +86,7 @@ def main() -> None:
               f"({r['warm_ratio_to_goal']:.2f}x) | read {1e3 * r['read_program_s']:5.1f} + price "
               f"{1e3 * r['price_s']:4.1f} + loop {1e3 * r['event_loop_s']:5.1f} ms")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"results": results, "goal_instructions_per_s": GOAL_PER_S, "env": env}, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, {"results": results, "goal_instructions_per_s": GOAL_PER_S, "env": env})
 
 
 if __name__ == "__main__":

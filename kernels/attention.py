@@ -21,8 +21,9 @@ Per KV tile ``j`` of ``n`` tokens (R query rows, head_dim D)::
 
 Engines overlap: DMA queues stream K and V tiles into ``nbuf`` slots; the matrix unit runs
 S(j+1) while the vector unit does the softmax of tile j, and P.V(j) right after; the vector unit
-then folds P.V(j-1) into O. A ``sem.signal`` on a DMA queue waits for that queue's transfers in
-flight, so one queue per stream keeps only one tile in flight: decode (whose few units per core
+then folds P.V(j-1) into O. Streams are spread over the DMA queues (a design from when a
+``sem.signal`` stalled its queue; signals now land without stalling, and the spread still
+interleaves the streams over the pseudo-channels): decode (whose few units per core
 keep their queries and outputs in private buffers) loads every query up front on queue 2 and
 stores every output at the end of queue 3, and streams K on queues 0 and 2 and V on 1 and 3,
 alternating tiles; prefill (query and output rings, vector-bound) streams K on 0 and V on 1,

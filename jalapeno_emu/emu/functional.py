@@ -520,8 +520,12 @@ def _flag_messages(ins: Instruction) -> list[str]:
     return []
 
 
+COMPILE_MODES = ("instruction", "program")
+
+
 def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
-                   debug: bool = False, schedule_seed: int | None = None) -> FunctionalResult:
+                   debug: bool = False, schedule_seed: int | None = None,
+                   compile: str = "instruction") -> FunctionalResult:
     """Execute ``program`` and return the memory contents.
 
     Args:
@@ -532,6 +536,11 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         debug: fill memory nothing initialised with 0xFF bytes (NaN) instead of zeros.
         schedule_seed: run the engines in another legal interleaving (``sequential_order``'s
             seed); a program that passes ``check_program`` gives the same results under all.
+        compile: "instruction" (default) compiles one function per instruction signature: a
+            kernel's loop body compiles once, so the first run is quick. "program" traces the
+            whole program into one function: compiling takes much longer (tens of seconds for
+            thousands of instructions) but each further run is faster — for running one program
+            many times. Both give the same bytes.
 
     Returns:
         FunctionalResult with every buffer as a numpy uint8 array.
@@ -540,9 +549,21 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         Deadlock: no legal order exists.
         OutOfBounds: a tile is not backed by memory, or a gather index is out of range.
     """
+    if compile not in COMPILE_MODES:
+        raise InvalidArgumentError(f"compile={compile!r} is not one of {COMPILE_MODES}")
     layout, plan = _plan(program, schedule_seed)
     bufs = _initial_buffers(program, layout, inputs or {}, debug)
     state = {k: jnp.asarray(v) for k, v in bufs.items()}
+    if compile == "program":
+        fn, flag_at = _whole_program(program, schedule_seed)
+        state, flags = fn(state)
+        flags = np.asarray(flags)
+        if flags.any():
+            idx = flag_at[int(np.argmax(flags))]
+            ins = program.instructions[idx]
+            raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
+                              source=ins.source)
+        return FunctionalResult(program, layout, {k: np.asarray(v) for k, v in state.items()})
     in_flight: dict[tuple[int, int], list[jax.Array]] = {}
     for idx, fn, slots, offsets in plan:
         if fn is None:
@@ -556,6 +577,35 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
                               source=ins.source)
     return FunctionalResult(program, layout, {k: np.asarray(v) for k, v in state.items()})
+
+
+@functools.lru_cache(maxsize=8)
+def _whole_program(program: Program, seed: int | None) -> tuple[Callable, list[int]]:
+    """(jitted state -> (state, flags), instruction index of each flag): the whole program as one
+    traced function, with every offset a constant."""
+    layout, plan = _plan(program, seed)
+    flag_at: list[int] = []
+
+    def run(state: State) -> tuple[State, jax.Array]:
+        state = dict(state)
+        in_flight: dict[tuple[int, int], list[jax.Array]] = {}
+        flags = []
+        flag_at.clear()
+        for idx, fn, _, _ in plan:
+            ins = program.instructions[idx]
+            if fn is None:
+                _run_link(ins, idx, layout, state, in_flight)
+                continue
+            locs = {name: layout.locate(v, index=idx, ins=ins) for name, v in ins.args
+                    if isinstance(v, Tile)}
+            ex = _Exec(ins, locs)
+            ex.run(state)
+            for _, f in ex.flags:
+                flags.append(f)
+                flag_at.append(idx)
+        return state, (jnp.stack(flags) if flags else jnp.zeros((0,), bool))
+
+    return jax.jit(run, donate_argnums=0), flag_at
 
 
 @functools.lru_cache(maxsize=16)

@@ -155,3 +155,29 @@ def test_debug_mode_poisons_fresh_memory_with_nan():
 def test_deadlocked_program_raises_instead_of_hanging():
     with pytest.raises(Deadlock, match="waits for semaphore 0"):
         run_functional(matmul_tile_program(wait_value=2))
+
+
+def test_whole_program_compilation_gives_the_same_bytes():
+    rng = np.random.default_rng(9)
+    a = mx.quantize(rng.standard_normal((256, 1024)).astype(np.float32), axis=1)
+    b = mx.quantize(rng.standard_normal((1024, 128)).astype(np.float32), axis=0)
+    prog = build_gemm(256, 128, 1024)
+    per_instr = run_functional(prog, {"A": a, "B": b})
+    whole = run_functional(prog, {"A": a, "B": b}, compile="program")
+    assert {k: v.tobytes() for k, v in whole.buffers.items()} == \
+        {k: v.tobytes() for k, v in per_instr.buffers.items()}
+
+
+def test_whole_program_mode_reports_data_dependent_errors_too():
+    kb = KernelBuilder("g", chip="tiny")
+    table, ids_h = kb.hbm("T", (16, 32), "f32"), kb.hbm("I", (4, 1), "i32")
+    ids, out = kb.sram(0, "ids", (4, 1), "i32"), kb.sram(0, "out", (4, 32), "f32")
+    s1 = kb.semaphore("ids")
+    c0 = kb.core(0)
+    c0.dma[0].load(ids, ids_h)
+    c0.dma[0].signal(s1)
+    c0.dma[1].wait(s1, 1)
+    c0.dma[1].gather(out, table, ids)
+    bad = {"T": np.zeros((16, 32), np.float32), "I": np.array([[3], [16], [0], [0]], np.int32)}
+    with pytest.raises(OutOfBounds, match="gather index outside"):
+        run_functional(kb.build(), bad, compile="program")

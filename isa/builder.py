@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -38,13 +39,23 @@ _SRAM_ALIGN = 64
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.lru_cache(maxsize=256)
+def _in_builder(filename: str) -> bool:
+    return os.path.dirname(os.path.abspath(filename)) == _THIS_DIR
+
+
+@functools.lru_cache(maxsize=256)
+def _basename(filename: str) -> str:
+    return os.path.basename(filename)
+
+
 def _caller_source() -> str:
     """"file:line" of the first frame outside the builder (the user's kernel code)."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if os.path.dirname(path) != _THIS_DIR:
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        name = frame.f_code.co_filename
+        if not _in_builder(name):
+            return f"{_basename(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
 
@@ -162,6 +173,8 @@ class KernelBuilder:
         self.preset = chip if isinstance(chip, str) else self.chip.name
         self._instructions: list[Instruction] = []
         self._allocs: list[Allocation] = []
+        self._alloc_names: set[tuple[Space, int, str]] = set()
+        self._legal: set[tuple] = set()  # instruction signatures already found legal
         self._next: dict[tuple[Space, int], int] = {}
         self._sems: list[Semaphore] = []
         self._cores: dict[int, CoreHandle] = {}
@@ -170,7 +183,8 @@ class KernelBuilder:
 
     # --- memory ---------------------------------------------------------------------------
     def _alloc(self, space: Space, core: int, name: str, nbytes: int, align: int) -> int:
-        if any(a.name == name and a.space is space and a.core == core for a in self._allocs):
+        key = (space, core if space is not Space.HBM else 0, name)
+        if key in self._alloc_names:
             raise InvalidArgumentError(f"allocation {name!r} already exists in {space.value}")
         if space is not Space.HBM and not 0 <= core < self.chip.core.count:
             raise InvalidArgumentError(
@@ -187,6 +201,7 @@ class KernelBuilder:
         self._next[(space, core)] = start + nbytes
         self._allocs.append(Allocation(name, space, core if space is not Space.HBM else 0,
                                        start, nbytes))
+        self._alloc_names.add(key)
         return start
 
     def _tile(self, space: Space, core: int, name: str, shape: tuple[int, int], dtype: str,
@@ -282,7 +297,14 @@ class KernelBuilder:
                     engine=str(engine), source=source)
             ordered.append((op.name, v))
         ins = Instruction(row.mnemonic, engine, tuple(ordered), source)
-        check_instruction(ins, index=len(self._instructions))
+        # Legality depends on the operands' shapes, dtypes, spaces and cores, not on where tiles
+        # sit (no rule reads an offset; the key keeps it when one does): check each distinct
+        # signature once, as kernels issue the same few shapes thousands of times.
+        key = (engine, tuple((n, _tile_key(v, row.mnemonic in _OFFSET_RULES) if isinstance(v, Tile)
+                              else v) for n, v in ordered))
+        if key not in self._legal:
+            check_instruction(ins, index=len(self._instructions))
+            self._legal.add(key)
         self._instructions.append(ins)
         return ins
 
@@ -299,3 +321,8 @@ class KernelBuilder:
 
 
 _MISSING = object()
+_OFFSET_RULES = frozenset(r.mnemonic for r in TABLE if any("offset" in rule for rule in r.rules))
+
+
+def _tile_key(t: Tile, with_offset: bool) -> tuple:
+    return (t.space, t.core, t.dtype, t.rows, t.cols, t.stride, t.offset if with_offset else None)

@@ -73,7 +73,7 @@ def _compare(got: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> dic
 
 
 def run_kernel(name: str, shape: dict[str, Any] | None = None, *, preset: str | ChipSpec = "tiny",
-               check: bool = False, seed: int = 0) -> KernelReport:
+               check: bool = False, seed: int = 0, safety_checks: bool = True) -> KernelReport:
     """Build, check and time kernel ``name``; with ``check``, run it and compare with the reference.
 
     Args:
@@ -82,6 +82,9 @@ def run_kernel(name: str, shape: dict[str, Any] | None = None, *, preset: str | 
         preset: chip preset name or spec.
         check: also run the functional pass and compare every output with the reference.
         seed: input seed for ``check``.
+        safety_checks: run ``check_program`` (races, uninitialised reads, bounds) before timing.
+            Turning it off saves most of the time of a full-size timing-only run (the builder
+            still checks legality and capacity, and the timing pass still detects deadlocks).
 
     Raises:
         InvalidArgumentError: unknown kernel or shape key, impossible shape.
@@ -91,7 +94,8 @@ def run_kernel(name: str, shape: dict[str, Any] | None = None, *, preset: str | 
     spec = load_preset(preset) if isinstance(preset, str) else preset
     full = kdef.shape(shape)
     build = kdef.build(full, spec)
-    check_program(build.program, spec)
+    if safety_checks or check:
+        check_program(build.program, spec)
     timeline = run_timing(build.program, spec)
     report = KernelReport(kdef.name, spec.name, full, timeline.summary(), timeline, build,
                           notes=dict(build.notes))

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check", action="store_true",
                    help="also run functionally and compare with the pure-JAX reference")
     p.add_argument("--timing-only", action="store_true",
-                   help="time only (the default unless --check; accepted for scripts)")
+                   help="time only: no functional run and no race/uninitialised-read analysis "
+                        "(legality, capacity and deadlocks are still checked); fast at full size")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
@@ -50,7 +51,8 @@ def run(app: App, args: argparse.Namespace) -> int:
     spec = apply_overrides(load_preset(args.preset), args.overrides)
     shape = kdef.shape(texts=args.shape)
     app.status(f"{kdef.name} {shape} on {spec.name}")
-    report = run_kernel(kdef.name, shape, preset=spec, check=args.check and not args.timing_only)
+    report = run_kernel(kdef.name, shape, preset=spec, check=args.check and not args.timing_only,
+                        safety_checks=not args.timing_only)
     if args.trace:
         report.timeline.write_chrome_trace(args.trace)
     doc = report.as_dict()

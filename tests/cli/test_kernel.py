@@ -29,3 +29,9 @@ def test_kernel_errors_exit_2(capsys):
     assert main(["kernel", "rmsnorm", "--shape", "tokens=x"]) == 2
     err = capsys.readouterr().err
     assert "no kernel named 'nope'" in err and "tokens='x' is not a valid int" in err
+
+
+def test_kernel_timing_only_skips_the_functional_run(capsys):
+    assert main(["kernel", "rmsnorm", "--timing-only", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "passed" not in doc and doc["time_s"] >= doc["lower_bound_s"] > 0

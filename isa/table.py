@@ -253,8 +253,11 @@ TABLE: tuple[InstrSpec, ...] = (
         "acc = (mode == overwrite ? +0 : acc) accumulated with the block-scaled product a @ b, "
         "one 32-element K block at a time in increasing order: exactly jalapeno_emu.mx.matmul "
         "(exact block dot, one rounding per block, FP32 RNE accumulation, no flush to zero). "
-        "MX operands (fp4, fp8e4, fp8e5) need their scale tile; bf16 operands take none and count "
-        "as MX blocks with scale 2^0 and BF16 elements. K must be a multiple of 32.",
+        "MX operands (fp4, fp8e4, fp8e5) need their scale tile; bf16 operands take none. When either "
+        "operand is bf16 the block dot is not exact: each product of (dequantised) elements is "
+        "formed in FP32 (exact, barring under/overflow; subnormal products flush on XLA CPU), the "
+        "32 products of a block are summed in FP32 in increasing k, and the block sum is added to "
+        "the accumulator. K must be a multiple of 32.",
         rules=(
             "acc.rows == a.rows",
             "acc.cols == b.cols",

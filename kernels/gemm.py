@@ -14,11 +14,15 @@
 Tiling. The output is cut into blocks of Mb x Nb (Mb <= 512 rows, Nb a multiple of 64 columns
 sized so that there are at least as many blocks as cores and the accumulators hold one block, or
 two for double buffering), dealt to the cores in contiguous runs (neighbouring blocks share their
-rows of x). A core keeps its x row block [Mb, k] in SRAM (if it fits in a third of it; else x is
+rows of x); a core's run within one row block starts at its row-block index mod the run's length
+(see below). A core keeps its x row block [Mb, k] in SRAM (if it fits in a third of it; else x is
 streamed beside W) and streams W in K chunks (<= 512 deep) through 2-8 SRAM slots, slot s on
-DMA queue s % load_queues, so several queues stream at once (the design dates from when a
-``sem.signal`` stalled its queue; signals no longer stall, and the spread now mainly interleaves
-the cores' streams over the pseudo-channels). The matrix unit
+DMA queue s % load_queues. A DMA-queue ``sem.signal`` does not stall its queue, so every queue
+issues its first descriptors (up to 16) at once and the queues take turns: the n-th descriptor of
+every queue of every core reaches the pseudo-channel FIFOs before any (n+1)-th. The kernel
+therefore issues what is needed first first: an MX operand's scales go before its codes (a few
+KB spread over every channel, which would otherwise land behind the whole first wave of codes
+and hold up the first matmul by ~3 us), the first chunk before later ones. The matrix unit
 accumulates the chunks in increasing K order (hence bit-exact with ``mx.matmul``); the vector
 unit moves a finished FP32 block to SRAM (adding the bias through an FP32 slab) and the last
 queue stores it. The last block's K range ends in a half-size chunk so that little matmul is
@@ -30,6 +34,13 @@ What the HBM address map taught us (jalapeno-v1, power-of-two shapes):
   hot spot. Decode: each core loads its few KB of x once. Prefill: the cores sharing a row block
   (groups of <= 4) load each part of the 2 MiB panel once from HBM and relay it to each other
   with ``dma.copy``; part 0 is one chunk wide so the matmuls start early.
+- Several blocks per core: if every core took its blocks in the same column order, the cores would
+  load the same W columns and store the same y columns at the same time; W rows (n = 8192: 4 KiB
+  apart) and y rows (16 KiB apart) are multiples of the interleave round's divisors, so one
+  column block sits on 1/8 of the channels. Rotating each core's run by its row-block index puts
+  the cores on different column blocks at any moment (8192^3: the last wave of stores had only
+  half of the channels, a 12 us tail instead of 7; m = 32768, where every core owns a whole row
+  block, ran at 38 % of peak instead of 92 %).
 - Decode: W's scales for a core's whole K range are loaded first, once: streamed beside each
   chunk they sit on other cores' channels and hold up every chunk's signal.
 
@@ -46,7 +57,8 @@ Two regimes on jalapeno-v1:
 - Prefill GEMM (m, n, k >= 4096): 512 x 1024 output blocks (the whole 2 MiB accumulator) give
   4*512*1024/(512+1024) = 1365 FLOP per MXFP4 byte, above the ~970 a core needs to stay
   compute-bound at its share of HBM. Only fp4 x fp4 runs at the MXFP4 rate and can reach 80 % of
-  peak MXFP4 FLOP/s (8192^3: 80 %); fp8e4 x fp4 runs at the MXFP8 rate, half of it (41 %).
+  peak MXFP4 FLOP/s (8192^3: 83 %, m = 16384: 89 %, m = 32768: 92 %; warm-up ~7 us, tail ~6 us of
+  stores); fp8e4 x fp4 runs at the MXFP8 rate, half of it (41 %).
 
 No split-K: with 64-column slices every core streams weights as long as n >= 64 * cores (4096
 on v1); narrower layers (routers, n = 128) use fewer cores, which on v1 still saturate HBM while
@@ -216,6 +228,14 @@ def _chunks(k: int, kc: int, tail: bool) -> list[tuple[int, int]]:
     return out
 
 
+def _rotate(run: list[tuple[int, int, int, int]], mb: int) -> list[tuple[int, int, int, int]]:
+    """``run`` rotated by its row block index mod its length (when all of it is in one row block)."""
+    if not run or any(it[0] != run[0][0] for it in run):
+        return run
+    r = (run[0][0] // mb) % len(run)
+    return run[r:] + run[:r]
+
+
 def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
               spec: ChipSpec) -> GemmPlan:
     """Choose block sizes for ``spec`` (see the module docstring); InvalidArgumentError if none fit."""
@@ -239,8 +259,11 @@ def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
         items_all = [(mi * mb, min(mb, m - mi * mb), nj * nb, min(nb, n - nj * nb))
                      for mi in range(m_blocks) for nj in range(nb_count)]
         # Contiguous runs of blocks per core: neighbours share their row block of x.
-        per_core = tuple(tuple(items_all[c * len(items_all) // cores:(c + 1) * len(items_all) // cores])
-                         for c in range(cores))
+        # A run within one row block starts at block (row block index) mod (run length), so that
+        # at any time the cores work on (load W for, store y of) different column blocks.
+        runs = [items_all[c * len(items_all) // cores:(c + 1) * len(items_all) // cores]
+                for c in range(cores)]
+        per_core = tuple(tuple(_rotate(run, mb)) for run in runs)
         most = max(len(p) for p in per_core)
         queues = spec.dma.queues_per_core
         load_queues = queues if most == 1 or queues == 1 else queues - 1
@@ -306,8 +329,8 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
 
     def loads(q, dst, src) -> None:
         if hasattr(dst, "scales"):
-            q.load(dst.codes, src.codes)
             q.load(dst.scales, src.scales)
+            q.load(dst.codes, src.codes)
         else:
             q.load(dst, src)
 

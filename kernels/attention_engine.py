@@ -1,0 +1,422 @@
+"""The flash-attention engine shared by ``attention-decode`` and ``attention-prefill``.
+
+A unit is the query rows of one KV head; ``_Core`` emits one core's program: KV tiles streamed
+over the DMA queues, scores on the matrix unit, online softmax on the vector unit, P.V back on
+the matrix unit (see kernels/attention.py for the whole design).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.table import DTYPES
+
+_BF16 = ml_dtypes.bfloat16
+_SRAM_SHARE = 0.9  # keep a little scratchpad free
+_DECODE_TILES = (2048, 1024, 512, 256, 128, 64, 32)
+_PREFILL_TILES = (128, 64, 32)
+_NBUF = 6  # KV slots per core: two tiles in flight per stream, one being multiplied, one spare
+_MAX_RING = 32  # decode keeps up to this many units' queries and outputs without reuse
+
+
+
+# --- the engine ------------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """One KV tile of a unit: ``n`` keys; how to load them; which mask (SRAM tile) to add."""
+
+    n: int
+    k: Tile | None = None  # contiguous HBM sources
+    k_scale: Tile | None = None
+    v: Tile | None = None
+    v_scale: Tile | None = None
+    idx: Tile | None = None  # paged: [pages, 1] int32 SRAM indices into the pools
+    mask: Tile | None = None  # [1, n] (broadcast over rows) or [nq, n] (per head)
+
+
+@dataclass
+class _Unit:
+    """One block of query rows sharing a KV head: R = heads * nq rows, stacked head by head."""
+
+    heads: int
+    nq: int
+    q: list[Tile]  # per head, HBM [nq, D]
+    out: list[Tile]  # per head, HBM [nq, D]
+    sink_row: int  # first query head (row of the sinks table)
+    cos: Tile | None = None  # prefill: HBM [nq, D/2] per-position tables
+    sin: Tile | None = None
+    key: tuple = ()  # decode (sequence, KV head); prefill (sequence, KV head, query tile)
+    steps: list[_Step] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.heads * self.nq
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static sizes of one kernel instance."""
+
+    hpk: int  # query heads per KV head
+    d: int
+    tk: int  # max keys per tile
+    nq_max: int  # max query tokens per unit (decode 1)
+    nbuf: int
+    kv_dtype: str
+    sinks: bool
+    scale: float
+    page_size: int  # 0: contiguous
+    ring: int = 2  # query-in and output buffers per core (>= units per core: no reuse waits)
+
+    @property
+    def kv_queues(self) -> int:
+        """DMA queues per KV stream: 2 (K on queues 0 and 2, V on 1 and 3, alternating tiles)
+        when nothing else ever blocks queues 2 and 3, else 1 (K on 0, V on 1)."""
+        return 2 if self.ring > 2 else 1
+
+    @property
+    def r_max(self) -> int:
+        return self.hpk * self.nq_max
+
+    def sram_buffers(self) -> list[tuple[str, tuple[int, int], str]]:
+        """(name, shape, dtype) of every per-core scratchpad buffer of the engine."""
+        r, d, tk, h = self.r_max, self.d, self.tk, self.d // 2
+        kv = self.kv_dtype
+        out = []
+        for s in range(self.nbuf):
+            out += [(f"k{s}", (d, tk), kv), (f"v{s}", (tk, d), kv)]
+            if kv != "bf16":
+                out += [(f"ks{s}", (d // 32, tk), "e8m0"), (f"vs{s}", (tk // 32, d), "e8m0")]
+        for s in range(self.ring):
+            out += [(f"qraw{s}", (r, d), "bf16"), (f"outb{s}", (r, d), "bf16")]
+        for s in range(2):
+            out += [(f"qrot{s}", (r, d), "bf16"), (f"p{s}", (r, tk), "bf16"), (f"O{s}", (r, d), "f32"),
+                    (f"m{s}", (r, 1), "f32"), (f"l{s}", (r, 1), "f32"), (f"alpha{s}", (r, 1), "f32")]
+            if self.nq_max > 1:
+                out += [(f"cos{s}", (self.nq_max, h), "f32"), (f"sin{s}", (self.nq_max, h), "f32")]
+        out += [("s", (r, tk), "f32"), ("o", (r, d), "f32"), ("t1", (r, h), "f32"),
+                ("t2", (r, h), "f32"), ("mt", (r, 1), "f32"), ("rs", (r, 1), "f32"),
+                ("rcp", (r, 1), "f32")]
+        return out
+
+    def acc_bytes(self) -> int:
+        return 2 * 4 * self.r_max * (self.tk + self.d)
+
+
+def _nbytes(shape: tuple[int, int], dtype: str) -> int:
+    return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
+
+
+def _fits(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> bool:
+    sram = sum(_nbytes(s, dt) for _, s, dt in plan.sram_buffers()) + consts_bytes
+    return (sram <= _SRAM_SHARE * spec.sram.scratchpad_bytes
+            and plan.acc_bytes() <= spec.sram.accumulator_bytes)
+
+
+def _view(t: Tile, rows: int, cols: int, dtype: str | None = None, byte_off: int = 0) -> Tile:
+    """The bytes of a packed tile seen as a packed [rows, cols] tile (optionally another dtype)."""
+    dt = dtype or t.dtype
+    nb = rows * DTYPES[dt].row_bytes(cols)
+    assert t.contiguous and byte_off + nb <= t.nbytes, (t, rows, cols, dt, byte_off)
+    return Tile(t.space, t.core, t.offset + byte_off, dt, rows, cols)
+
+
+class _Core:
+    """Emits one core's share of the engine (see the module docstring)."""
+
+    def __init__(self, kb: KernelBuilder, c: int, plan: _Plan, units: list[_Unit]) -> None:
+        self.kb, self.c, self.p, self.units = kb, c, plan, units
+        self.core = kb.core(c)
+        self.buf = {name: kb.sram(c, name, shape, dt) for name, shape, dt in plan.sram_buffers()}
+        r, tk, d = plan.r_max, plan.tk, plan.d
+        self.acc_s = [kb.acc(c, f"accs{s}", (r, tk)) for s in range(2)]
+        self.acc_o = [kb.acc(c, f"acco{s}", (r, d)) for s in range(2)]
+        names = ("consts", "qload", "qraw_free", "qready", "sdone", "sread",
+                 "pready", "pvdone", "oread", "fin", "stored")
+        names += tuple(f"{x}load{i}" for x in "kv" for i in range(plan.kv_queues))
+        self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
+        # Flattened steps: (unit index, step) in the order every engine walks them.
+        self.flat = [(u, st) for u, unit in enumerate(units) for st in unit.steps]
+        self.first, self.last = {}, {}
+        for j, (u, _) in enumerate(self.flat):
+            self.first.setdefault(u, j)
+            self.last[u] = j
+
+    def b(self, name: str, parity: int | None = None) -> Tile:
+        if parity is None:
+            return self.buf[name]
+        return self.buf[f"{name}{parity % (self.p.ring if name in ('qraw', 'outb') else 2)}"]
+
+    # -- DMA queues ---------------------------------------------------------------------------
+    def emit_loads(self, k_gate: tuple | None, v_gate: tuple | None) -> None:
+        """K tiles on queue 0 (and 2), V tiles on queue 1 (and 3), alternating: a signal on a
+        DMA queue waits for that queue's transfers in flight, so two queues per stream keep two
+        tiles in flight. A slot is reused once the matmul that read it is done.
+        ``k_gate``/``v_gate`` (semaphore, value): wait before the first load."""
+        p, nq = self.p, self.p.kv_queues
+        kqs = [self.core.dma[2 * i] for i in range(nq)]
+        vqs = [self.core.dma[2 * i + 1] for i in range(nq)]
+        for qs, gate in ((kqs, k_gate), (vqs, v_gate)):
+            for q in qs:
+                if gate is not None:
+                    q.wait(*gate)
+        for j, (_, st) in enumerate(self.flat):
+            slot, kq, vq = j % p.nbuf, kqs[j % nq], vqs[j % nq]
+            if j >= p.nbuf:  # the slot's previous tile has been multiplied
+                kq.wait(self.sem["sdone"], j - p.nbuf + 1)
+                vq.wait(self.sem["pvdone"], j - p.nbuf + 1)
+            k_dst, v_dst = self.buf[f"k{slot}"], self.buf[f"v{slot}"]
+            fp8 = p.kv_dtype != "bf16"
+            if st.idx is None:
+                kq.load(k_dst.sub(0, 0, p.d, st.n), st.k)
+                vq.load(_view(v_dst, st.n, p.d), st.v)
+                if fp8:
+                    kq.load(self.buf[f"ks{slot}"].sub(0, 0, p.d // 32, st.n), st.k_scale)
+                    vq.load(_view(self.buf[f"vs{slot}"], st.n // 32, p.d), st.v_scale)
+            else:
+                pages, ps = st.idx.rows, p.page_size
+                kq.gather(_view(k_dst, pages, p.d * ps), st.k, st.idx)
+                vq.gather(_view(v_dst, pages, ps * p.d), st.v, st.idx)
+                if fp8:
+                    kq.gather(_view(self.buf[f"ks{slot}"], pages, p.d // 32 * ps), st.k_scale, st.idx)
+                    vq.gather(_view(self.buf[f"vs{slot}"], pages, ps // 32 * p.d), st.v_scale, st.idx)
+            kq.signal(self.sem[f"kload{j % nq}"])
+            vq.signal(self.sem[f"vload{j % nq}"])
+
+    def emit_queries(self, consts: list[tuple[Tile, Tile]]) -> None:
+        """Queue 2: the constants, then each unit's query rows (and RoPE rows) into a ring of 2."""
+        q = self.core.dma[2]
+        for dst, src in consts:
+            q.load(dst, src)
+        q.signal(self.sem["consts"])
+        for u, unit in enumerate(self.units):
+            if u >= self.p.ring:  # ring slot free once the vector unit has rotated its last unit
+                q.wait(self.sem["qraw_free"], u - self.p.ring + 1)
+            raw, r0 = self.b("qraw", u), 0
+            for src in unit.q:  # heads stacked in rows
+                q.load(raw.sub(r0, 0, src.rows, self.p.d), src)
+                r0 += src.rows
+            if unit.cos is not None:
+                q.load(self.b("cos", u).sub(0, 0, unit.nq, self.p.d // 2), unit.cos)
+                q.load(self.b("sin", u).sub(0, 0, unit.nq, self.p.d // 2), unit.sin)
+            if self.p.ring < len(self.units):
+                q.signal(self.sem["qload"])
+        if self.units and self.p.ring >= len(self.units):
+            # Every unit has its own buffers: one signal (a fence) for all, so the loads overlap.
+            q.signal(self.sem["qload"], len(self.units))
+
+    def emit_stores(self) -> None:
+        q = self.core.dma[3]
+        for u, unit in enumerate(self.units):
+            q.wait(self.sem["fin"], u + 1)
+            ob, r0 = self.b("outb", u), 0
+            for dst in unit.out:
+                q.store(dst, ob.sub(r0, 0, dst.rows, self.p.d))
+                r0 += dst.rows
+            q.signal(self.sem["stored"])
+
+    # -- matrix unit --------------------------------------------------------------------------
+    def _s(self, j: int) -> None:
+        p, mxu = self.p, self.core.mxu
+        u, st = self.flat[j]
+        unit = self.units[u]
+        r, slot = unit.rows, j % p.nbuf
+        if j == self.first[u]:
+            mxu.wait(self.sem["qready"], u + 1)
+        nq = p.kv_queues
+        mxu.wait(self.sem[f"kload{j % nq}"], j // nq + 1)
+        if j >= 2:  # accumulators of tile j-2 have been read
+            mxu.wait(self.sem["sread"], j - 1)
+        q = self.b("qrot", u).sub(0, 0, r, p.d)
+        acc = self.acc_s[j % 2]
+        k, fp8 = self.buf[f"k{slot}"], p.kv_dtype != "bf16"
+        ks = self.buf.get(f"ks{slot}")
+        if st.idx is None:
+            mxu.matmul(acc.sub(0, 0, r, st.n), q, k.sub(0, 0, p.d, st.n),
+                       b_scale=ks.sub(0, 0, p.d // 32, st.n) if fp8 else None, mode="overwrite")
+        else:  # one matmul per page: each page is its own [D, page_size] K^T block
+            ps, esz = p.page_size, DTYPES[p.kv_dtype].bits // 8
+            for i in range(st.idx.rows):
+                kp = _view(k, p.d, ps, byte_off=i * p.d * ps * esz)
+                sp = _view(ks, p.d // 32, ps, byte_off=i * p.d // 32 * ps) if fp8 else None
+                mxu.matmul(acc.sub(0, i * ps, r, ps), q, kp, b_scale=sp, mode="overwrite")
+        mxu.signal(self.sem["sdone"])
+
+    def _pv(self, j: int) -> None:
+        p, mxu = self.p, self.core.mxu
+        u, st = self.flat[j]
+        r, slot = self.units[u].rows, j % p.nbuf
+        mxu.wait(self.sem["pready"], j + 1)
+        nq = p.kv_queues
+        mxu.wait(self.sem[f"vload{j % nq}"], j // nq + 1)
+        if j >= 2:
+            mxu.wait(self.sem["oread"], j - 1)
+        v = _view(self.buf[f"v{slot}"], st.n, p.d)
+        vs = _view(self.buf[f"vs{slot}"], st.n // 32, p.d) if p.kv_dtype != "bf16" else None
+        mxu.matmul(self.acc_o[j % 2].sub(0, 0, r, p.d), self.b("p", j).sub(0, 0, r, st.n), v,
+                   b_scale=vs, mode="overwrite")
+        mxu.signal(self.sem["pvdone"])
+
+    def emit_mxu(self) -> None:
+        """S(0), then S(j), P.V(j-1) alternately: S(j) overlaps the softmax of tile j-1."""
+        n = len(self.flat)
+        for j in range(n):
+            self._s(j)
+            if j:
+                self._pv(j - 1)
+        if n:
+            self._pv(n - 1)
+
+    # -- vector unit --------------------------------------------------------------------------
+    def _rope(self, u: int, cos_row: Tile | None, sin_row: Tile | None) -> None:
+        """Rotate-half RoPE of unit u's queries, times the softmax scale, rounded to BF16."""
+        p, v = self.p, self.core.vpu
+        unit = self.units[u]
+        h2 = p.d // 2
+        v.wait(self.sem["qload"], u + 1)
+        raw, rot = self.b("qraw", u), self.b("qrot", u)
+        if unit.nq == 1:  # decode: one position for every row, cos/sin broadcast along rows
+            blocks = [(0, unit.rows, cos_row, sin_row)]
+        else:  # prefill: per head, per-position tables of the unit's tokens
+            cs = self.b("cos", u).sub(0, 0, unit.nq, h2)
+            sn = self.b("sin", u).sub(0, 0, unit.nq, h2)
+            blocks = [(h * unit.nq, unit.nq, cs, sn) for h in range(unit.heads)]
+        for r0, n, cs, sn in blocks:
+            x1, x2 = raw.sub(r0, 0, n, h2), raw.sub(r0, h2, n, h2)
+            t1, t2 = self.buf["t1"].sub(0, 0, n, h2), self.buf["t2"].sub(0, 0, n, h2)
+            v.mul(t1, x1, cs)
+            v.mul(t2, x2, sn)
+            v.sub(t1, t1, t2)
+            v.scale(rot.sub(r0, 0, n, h2), t1, p.scale)
+            v.mul(t1, x2, cs)
+            v.mul(t2, x1, sn)
+            v.add(t1, t1, t2)
+            v.scale(rot.sub(r0, h2, n, h2), t1, p.scale)
+        v.signal(self.sem["qraw_free"])
+        v.signal(self.sem["qready"])
+
+    def _softmax(self, j: int, sinks: Tile | None) -> None:
+        v = self.core.vpu
+        u, st = self.flat[j]
+        unit = self.units[u]
+        r, n, first = unit.rows, st.n, j == self.first[u]
+        col = lambda name, par=None: self.b(name, par).sub(0, 0, r, 1)  # noqa: E731
+        s = self.buf["s"].sub(0, 0, r, n)
+        v.wait(self.sem["sdone"], j + 1)
+        v.acc_read(s, self.acc_s[j % 2].sub(0, 0, r, n))
+        v.signal(self.sem["sread"])
+        if st.mask is not None:
+            if st.mask.rows == 1:
+                v.add(s, s, st.mask)
+            else:
+                for h in range(unit.heads):
+                    sh = s.sub(h * unit.nq, 0, unit.nq, n)
+                    v.add(sh, sh, st.mask)
+        m, alpha, mt = col("m", j), col("alpha", j), col("mt")
+        if first:
+            if sinks is None:
+                v.reduce("max", m, s)
+            else:  # the sink logit joins the max and (below) the denominator
+                v.reduce("max", mt, s)
+                self._per_head(unit, sinks, lambda dst, a, b: v.max(dst, a, b), m, mt)
+                self._per_head(unit, sinks, lambda dst, a, b: v.sub(dst, a, b), alpha, m)
+                v.neg(alpha, alpha)
+                v.exp(alpha, alpha)
+        else:
+            m_old = col("m", j - 1)
+            v.reduce("max", mt, s)
+            v.max(m, mt, m_old)
+            v.sub(alpha, m_old, m)
+            v.exp(alpha, alpha)
+        v.sub(s, s, m)
+        pb = self.b("p", j).sub(0, 0, r, n)
+        v.exp(pb, s)
+        v.signal(self.sem["pready"])
+        lsum = col("l", u)
+        if first and sinks is None:
+            v.reduce("sum", lsum, pb)
+        else:
+            rs = col("rs")
+            v.reduce("sum", rs, pb)
+            if first:
+                v.add(lsum, alpha, rs)
+            else:
+                v.mul(lsum, lsum, alpha)
+                v.add(lsum, lsum, rs)
+
+    @staticmethod
+    def _per_head(unit: _Unit, sinks: Tile, op, dst: Tile, a: Tile) -> None:
+        """dst = op(a, sink of each row's head); decode rows are one per head already."""
+        if unit.nq == 1:
+            op(dst, a, sinks.sub(unit.sink_row, 0, unit.rows, 1))
+            return
+        for h in range(unit.heads):  # the head's [1, 1] sink broadcasts over its nq rows
+            r0 = h * unit.nq
+            op(dst.sub(r0, 0, unit.nq, 1), a.sub(r0, 0, unit.nq, 1), sinks.sub(unit.sink_row + h, 0, 1, 1))
+
+    def _update(self, j: int) -> None:
+        v, d = self.core.vpu, self.p.d
+        u, _ = self.flat[j]
+        r = self.units[u].rows
+        big = self.b("O", u).sub(0, 0, r, d)
+        v.wait(self.sem["pvdone"], j + 1)
+        if j == self.first[u]:
+            v.acc_read(big, self.acc_o[j % 2].sub(0, 0, r, d))
+            v.signal(self.sem["oread"])
+            return
+        o = self.buf["o"].sub(0, 0, r, d)
+        v.acc_read(o, self.acc_o[j % 2].sub(0, 0, r, d))
+        v.signal(self.sem["oread"])
+        v.mul(big, big, self.b("alpha", j).sub(0, 0, r, 1))
+        v.add(big, big, o)
+
+    def _finalize(self, u: int) -> None:
+        v, d = self.core.vpu, self.p.d
+        r = self.units[u].rows
+        if u >= self.p.ring:  # the ring slot's previous unit has been stored
+            v.wait(self.sem["stored"], u - self.p.ring + 1)
+        rcp = self.buf["rcp"].sub(0, 0, r, 1)
+        v.recip(rcp, self.b("l", u).sub(0, 0, r, 1))
+        v.mul(self.b("outb", u).sub(0, 0, r, d), self.b("O", u).sub(0, 0, r, d), rcp)
+        v.signal(self.sem["fin"])
+
+    def emit_vpu(self, sinks: Tile | None, cos_row: Tile | None, sin_row: Tile | None) -> None:
+        """Rotate unit u+1's queries before the first softmax of unit u; softmax(j) then
+        update(j-1), so the vector unit never waits on the P.V it has just enabled."""
+        v = self.core.vpu
+        v.wait(self.sem["consts"], 1)
+        if not self.units:
+            return
+        self._rope(0, cos_row, sin_row)
+        n = len(self.flat)
+        for j in range(n):
+            u, _ = self.flat[j]
+            if j == self.first[u] and u + 1 < len(self.units):
+                self._rope(u + 1, cos_row, sin_row)
+            self._softmax(j, sinks)
+            if j:
+                self._update(j - 1)
+                pu = self.flat[j - 1][0]
+                if j - 1 == self.last[pu]:
+                    self._finalize(pu)
+        self._update(n - 1)
+        self._finalize(self.flat[n - 1][0])
+
+
+def _assign(units: list[_Unit], work: list[int], cores: int) -> list[list[_Unit]]:
+    """Longest-processing-time-first: each unit (``work``: its KV tiles) to the least-loaded core;
+    a core keeps its units in their original order."""
+    load = [0] * cores
+    out: list[list[tuple[int, _Unit]]] = [[] for _ in range(cores)]
+    for i in sorted(range(len(units)), key=lambda i: -work[i]):
+        c = min(range(cores), key=lambda k: (load[k], k))
+        load[c] += work[i] + 1
+        out[c].append((i, units[i]))
+    return [[u for _, u in sorted(lst, key=lambda t: t[0])] for lst in out]
+
+

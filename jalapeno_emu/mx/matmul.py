@@ -192,29 +192,33 @@ def _matmul_jit(a: MXArray, b: MXArray, acc0: jax.Array) -> jax.Array:
     b_blocks = b_l.reshape(lb, nb, bs, n).transpose(1, 0, 2, 3)  # [nb, lb, bs, N]
     xs = (a_blocks, b_blocks, sa.T, sb)
 
-    def fast(_):
-        def scaled_add(acc, p, sa_j, sb_j):
-            t = sa_j[:, None] + sb_j[None, :] + unit
-            term = p * bits_to_f32((t + 127) << F32_MBITS)
-            nan = (sa_j[:, None] == SCALE_NAN) | (sb_j[None, :] == SCALE_NAN)
-            return acc + jnp.where(nan, jnp.nan, term)
+    # Per-operand scale exponents: a value is its integer units times 2^(ea) (or 2^(eb)).
+    ea = sa - SCALE_BIAS + fa.unit_exp  # [M, nb]
+    eb = sb - SCALE_BIAS + fb.unit_exp  # [nb, N]
 
+    def fast(_):
+        # Scale the operands first: every scaled element and every product is an exact normal
+        # float32 and each block's sum an exact multiple of 2^t_min (conditions below), so the
+        # matmul of scaled blocks IS the correctly rounded block term, and only the in-order adds
+        # remain. A NaN scale becomes a NaN factor, which poisons exactly its outputs.
+        fa_f = jnp.where(sa == SCALE_NAN, jnp.nan, bits_to_f32((jnp.clip(ea, -126, 127) + 127) << F32_MBITS))
+        fb_f = jnp.where(sb == SCALE_NAN, jnp.nan, bits_to_f32((jnp.clip(eb, -126, 127) + 127) << F32_MBITS))
+        a_s = (a_l[0] * jnp.repeat(fa_f, bs, axis=1)).reshape(m, nb, bs).transpose(1, 0, 2)
+        b_s = (b_l[0] * jnp.repeat(fb_f, bs, axis=0)).reshape(nb, bs, n)
         if nb * m * n <= _BATCHED_PARTIALS_MAX:
             # Small enough to hold every block's partial product at once: one batched matmul is
             # far faster than nb small ones, and the ordered accumulation stays elementwise.
-            p_all = jnp.einsum("jmk,jkn->jmn", a_blocks[:, 0], b_blocks[:, 0],
-                               precision=lax.Precision.HIGHEST)
+            p_all = jnp.einsum("jmk,jkn->jmn", a_s, b_s, precision=lax.Precision.HIGHEST)
             acc = acc0
             for j in range(nb):
-                acc = scaled_add(acc, p_all[j], sa[:, j], sb[j])
+                acc = acc + p_all[j]
             return acc
 
         def body(acc, x):
-            ab, bb, sa_j, sb_j = x
-            p = jnp.matmul(ab[0], bb[0], precision=lax.Precision.HIGHEST)
-            return scaled_add(acc, p, sa_j, sb_j), None
+            a_j, b_j = x
+            return acc + jnp.matmul(a_j, b_j, precision=lax.Precision.HIGHEST), None
 
-        acc, _ = lax.scan(body, acc0, xs)
+        acc, _ = lax.scan(body, acc0, (a_s, b_s))
         return acc
 
     def slow(_):
@@ -239,17 +243,26 @@ def _matmul_jit(a: MXArray, b: MXArray, acc0: jax.Array) -> jax.Array:
 
     if not exact:
         return slow(None)
-    # The fast path is exact when every value it forms is 0 or a normal float32: terms are integer
-    # multiples of 2^t_min, nonzero accumulators are >= 2^-100 and so multiples of 2^-123, hence
-    # every nonzero sum is at least 2^-123 and float32 hardware (even flushing subnormals) rounds it
-    # exactly as IEEE says. The scale factor 2^t must itself be a normal float32.
+    # The fast path is exact when every value it forms is 0 or a finite normal float32:
+    # - each scaled element (units x 2^ea) is normal and finite: ea >= -126 and the largest
+    #   element stays below 2^128 (likewise for b);
+    # - every product and block sum is an integer multiple of 2^t_min >= 2^-100, below 2^127;
+    # - nonzero accumulators are >= 2^-100, so multiples of 2^-123: every nonzero sum is at least
+    #   2^-123 and float32 hardware (even flushing subnormals) rounds it exactly as IEEE says.
     sa_ok = jnp.where(sa == SCALE_NAN, SCALE_BIAS, sa)
     sb_ok = jnp.where(sb == SCALE_NAN, SCALE_BIAS, sb)
-    t_min = jnp.min(sa_ok, initial=SCALE_BIAS) + jnp.min(sb_ok, initial=SCALE_BIAS) + unit
-    t_max = jnp.max(sa_ok, initial=SCALE_BIAS) + jnp.max(sb_ok, initial=SCALE_BIAS) + unit
+    sa_min, sa_max = jnp.min(sa_ok, initial=SCALE_BIAS), jnp.max(sa_ok, initial=SCALE_BIAS)
+    sb_min, sb_max = jnp.min(sb_ok, initial=SCALE_BIAS), jnp.max(sb_ok, initial=SCALE_BIAS)
+    t_min = sa_min + sb_min + unit
+    t_max = sa_max + sb_max + unit
+    block_bits = (fa.max_units * fb.max_units * bs).bit_length()
+    operands_ok = ((sa_min - SCALE_BIAS + fa.unit_exp >= -126)
+                   & (sa_max - SCALE_BIAS + fa.unit_exp + fa.max_units.bit_length() <= 127)
+                   & (sb_min - SCALE_BIAS + fb.unit_exp >= -126)
+                   & (sb_max - SCALE_BIAS + fb.unit_exp + fb.max_units.bit_length() <= 127))
     acc_mag = f32_to_bits(acc0) & 0x7FFFFFFF
     acc_ok = jnp.all((acc_mag == 0) | (acc_mag >= _FAST_ACC_MIN_BITS))
-    fast_ok = (t_min >= _FAST_T_MIN) & (t_max <= 127) & acc_ok
+    fast_ok = (t_min >= _FAST_T_MIN) & (t_max + block_bits <= 127) & operands_ok & acc_ok
     return lax.cond(fast_ok, fast, slow, None)
 
 

@@ -17,9 +17,10 @@ How it gets there:
 
 - When every element product and every 32-term block sum is an integer multiple of the formats'
   smallest unit that fits in 24 bits (E2M1, E2M3, E3M2, INT8 and any mix of them), a float32
-  dot over one block is exact in any summation order, so the block sums come from ordinary
-  float32 matmuls; when, in addition, no scale sum can push a term below 2^-126 or past
-  2^127, the scaling and the accumulation are plain float32 operations (fast path).
+  dot over one block is exact in any summation order. When, in addition, the scales keep every
+  scaled element, product and block sum a finite normal float32 (block terms >= 2^-100, below
+  2^127; nonzero accumulators >= 2^-100), the operands are scaled first, ordinary float32
+  matmuls give the block terms exactly, and in-order float32 adds accumulate them (fast path).
 - Otherwise (FP8 element formats, extreme scales) the block sum is computed exactly as a wide
   integer from 9-bit limb products, rounded once in integer arithmetic, and accumulated with an
   integer emulation of IEEE float32 addition (slow path). The same answer, several times slower.

@@ -80,10 +80,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 
 from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.functional import inorder_block_matmul
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
 from jalapeno_emu.isa.table import DTYPES
@@ -106,28 +106,6 @@ RELAY_GROUP = 4  # cores that share one HBM read of an x panel
 
 
 # --- numerics -------------------------------------------------------------------------------
-def inorder_block_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """float32[M, N]: the matrix unit's product of float32 values a[M, K] and b[K, N] (K % 32 == 0).
-
-    The documented semantics for a BF16 operand: each 32-element K block is summed in increasing
-    k in FP32 (products are exact), and the block sums are added to the FP32 accumulator in
-    increasing block order, starting from +0.
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    a_blocks = a.reshape(m, k // 32, 32).transpose(1, 2, 0)  # [nb, 32, M]
-    b_blocks = b.reshape(k // 32, 32, n)  # [nb, 32, N]
-
-    def block(acc, ab):
-        a_j, b_j = ab
-        s, _ = lax.scan(lambda s, kk: (s + a_j[kk][:, None] * b_j[kk][None, :], None),
-                        jnp.zeros((m, n), jnp.float32), jnp.arange(32))
-        return acc + s, None
-
-    acc, _ = lax.scan(block, jnp.zeros((m, n), jnp.float32), (a_blocks, b_blocks))
-    return acc
-
-
 _inorder_jit = jax.jit(inorder_block_matmul)
 
 

@@ -92,6 +92,7 @@ from jax import lax
 
 from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.functional import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
@@ -362,29 +363,8 @@ def _router_logical(panels: np.ndarray, plan: MoePlan) -> np.ndarray:
 
 # --- reference --------------------------------------------------------------------------------
 def _bf16_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """The matrix unit on BF16 operands from +0: exact products, each 32-block summed in increasing
-    k in FP32, blocks added in order (the emulator's documented semantics)."""
-    m, kk = a.shape
-    n = b.shape[1]
-    a_blocks = a.reshape(m, kk // 32, 32).transpose(1, 2, 0)
-    b_blocks = b.reshape(kk // 32, 32, n)
-
-    def block(acc, ab):
-        a_j, b_j = ab
-        blk, _ = lax.scan(lambda s, q: (s + a_j[q][:, None] * b_j[q][None, :], None),
-                          jnp.zeros((m, n), jnp.float32), jnp.arange(32))
-        return acc + blk, None
-
-    acc, _ = lax.scan(block, jnp.zeros((m, n), jnp.float32), (a_blocks, b_blocks))
-    return acc
-
-
-def _seq_sum(x: jax.Array) -> jax.Array:
-    """Row sums in FP32 in increasing column order, [R, 1] (the vector unit's order)."""
-    s = jnp.zeros((x.shape[0],), jnp.float32)
-    for j in range(x.shape[1]):
-        s = s + x[:, j]
-    return s[:, None]
+    """The matrix unit on BF16 operands from +0 (the emulator's documented semantics)."""
+    return inorder_block_matmul(a, b)
 
 
 def _group(ids: np.ndarray, w: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -409,11 +389,11 @@ def _route(x: jax.Array, inputs: dict[str, Any], plan: MoePlan, shape: dict[str,
         logits = logits + jnp.asarray(inputs["router_bias"], jnp.float32)
         vals, ids = lax.top_k(logits, plan.k)
         e = jnp.exp(vals - vals[:, :1])
-        w = e * (jnp.float32(1) / _seq_sum(e))
+        w = e * (jnp.float32(1) / sequential_row_sum(e))
     else:
         vals, ids = lax.top_k(logits, plan.k)
         sg = jax.nn.sigmoid(vals)
-        w = (sg * (jnp.float32(1) / _seq_sum(sg))) * jnp.float32(shape["routed_scaling_factor"])
+        w = (sg * (jnp.float32(1) / sequential_row_sum(sg))) * jnp.float32(shape["routed_scaling_factor"])
     return np.asarray(ids, np.int32), np.asarray(w, np.float32)
 
 
@@ -474,19 +454,7 @@ def _mx_cols(g: mx.MXArray, u: mx.MXArray, c0: int, w: int) -> mx.MXArray:
 
 def _bf16_accumulate(acc: jax.Array, a: jax.Array, b: mx.MXArray) -> jax.Array:
     """acc + BF16 a @ MXFP4 b with the matrix unit's BF16 path (per-block sums, in order)."""
-    bv = mx.dequantize(b, jnp.float32)
-    m, kk = a.shape
-    a_blocks = a.astype(jnp.float32).reshape(m, kk // 32, 32).transpose(1, 2, 0)
-    b_blocks = jnp.asarray(bv).reshape(kk // 32, 32, -1)
-
-    def block(acc, ab):
-        a_j, b_j = ab
-        blk, _ = lax.scan(lambda s, q: (s + a_j[q][:, None] * b_j[q][None, :], None),
-                          jnp.zeros(acc.shape, jnp.float32), jnp.arange(32))
-        return acc + blk, None
-
-    out, _ = lax.scan(block, acc, (a_blocks, b_blocks))
-    return out
+    return inorder_block_matmul(a.astype(jnp.float32), mx.dequantize(b, jnp.float32), acc)
 
 
 # --- the kernel ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.matmul import _matmul_jit
 from jalapeno_emu.mx.quantize import _quantize_jit
 
-__all__ = ["FunctionalResult", "MemoryLayout", "run_functional"]
+__all__ = ["FunctionalResult", "MemoryLayout", "inorder_block_matmul", "run_functional", "sequential_row_sum"]
 
 State = dict[str, jax.Array]
 
@@ -216,7 +216,7 @@ class _Exec:
         else:
             a_vals = a_f if a_q is None else _dequant(a_q)
             b_vals = b_f if b_q is None else _dequant(b_q)
-            out = _sequential_block_matmul(acc0, a_vals, b_vals)
+            out = inorder_block_matmul(a_vals, b_vals, acc0)
         self.put(state, "acc", out)
 
     def op_mxu_matmul_t(self, state, ins):
@@ -232,7 +232,7 @@ class _Exec:
         else:
             a_vals = a_f if a_q is None else _dequant(a_q)
             b_vals = b_f.T if b_q is None else _dequant(b_q)
-            out = _sequential_block_matmul(acc0, a_vals, b_vals)
+            out = inorder_block_matmul(a_vals, b_vals, acc0)
         self.put(state, "acc", out)
 
     # Vector unit: FP32 arithmetic, rounded to the destination's dtype
@@ -252,7 +252,7 @@ class _Exec:
     def op_vec_reduce(self, state, ins):
         x = self.f32(state, "src")
         self.put(state, "dst", jnp.max(x, axis=1, keepdims=True) if ins.arg("op") == "max"
-                 else _sequential_sum(x))
+                 else sequential_row_sum(x))
 
     def op_vec_quantize(self, state, ins):
         codes, scales = _quantize_jit(
@@ -302,11 +302,17 @@ def _dequant(q: MXArray) -> jax.Array:
     return _dequantize_jit(q, "float32")
 
 
-def _sequential_block_matmul(acc0: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """BF16 (or mixed) operands: products in FP32, each 32-block summed in increasing k, then added.
+def inorder_block_matmul(a: jax.Array, b: jax.Array, acc0: jax.Array | None = None) -> jax.Array:
+    """The matrix unit's product when an operand is BF16: float32[M, N].
 
-    Every product of a BF16 value and an MX or BF16 value is exact in FP32 (at most 8 x 8
-    significant bits) barring over- or underflow, so the only roundings are the in-order sums.
+    Args:
+        a: float32[M, K] values (K % 32 == 0), b: float32[K, N] values (dequantised if MX).
+        acc0: float32[M, N] accumulators to start from (+0 when None).
+
+    Each product of a BF16 value and an MX or BF16 value is exact in FP32 (at most 8 x 8
+    significant bits) barring over- or underflow; each 32-element K block is summed in FP32 in
+    increasing k, and the block sums are added to the accumulator in increasing block order.
+    Kernels' pure-JAX references call this too, so the semantics live in one place.
     """
     m, k = a.shape
     n = b.shape[1]
@@ -322,12 +328,14 @@ def _sequential_block_matmul(acc0: jax.Array, a: jax.Array, b: jax.Array) -> jax
         blk, _ = lax.scan(step, jnp.zeros((m, n), jnp.float32), jnp.arange(32))
         return acc + blk, None
 
-    acc, _ = lax.scan(block, acc0, (a_blocks, b_blocks))
+    start = jnp.zeros((m, n), jnp.float32) if acc0 is None else acc0
+    acc, _ = lax.scan(block, start, (a_blocks, b_blocks))
     return acc
 
 
-def _sequential_sum(x: jax.Array) -> jax.Array:
-    """Row sums in FP32, accumulated in increasing column order (the vector unit's order)."""
+def sequential_row_sum(x: jax.Array) -> jax.Array:
+    """float32[R, 1] row sums of float32[R, C], accumulated in increasing column order (the
+    vector unit's ``vec.reduce sum``; references that must match it bit for bit call this)."""
     s, _ = lax.scan(lambda acc, col: (acc + col, None), jnp.zeros((x.shape[0],), jnp.float32), x.T)
     return s[:, None]
 

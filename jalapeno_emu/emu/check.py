@@ -119,9 +119,7 @@ class _Clocks:
     def __init__(self) -> None:
         self.engine_vc: dict[Engine, dict[Engine, int]] = defaultdict(dict)
         self.counter: dict[Engine, int] = defaultdict(int)
-        self.dma_since_fence: dict[Engine, int] = {}
         self.signal_vcs: dict[int, list[tuple[Engine, int, dict]]] = defaultdict(list)
-        self.barriers: dict[int, list[dict]] = defaultdict(list)
         self.sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
 
     def _record_signal(self, ins: Instruction, eng: Engine, vc: dict) -> None:
@@ -138,7 +136,7 @@ class _Clocks:
                 out[k] = v
         return out
 
-    def step(self, ins: Instruction, program: Program, sem_totals, sem_signals) -> tuple[Engine, int, dict]:
+    def step(self, ins: Instruction, sem_totals, sem_signals) -> tuple[Engine, int, dict]:
         """(engine, id, vector clock) of the instruction's memory accesses."""
         eng = ins.engine
         self.counter[eng] += 1
@@ -167,8 +165,6 @@ class _Clocks:
                 if sig_eng not in joined and cum >= need - others > 0:
                     vc = self.join(vc, svc)
                     joined.add(sig_eng)
-        elif mn == "barrier":
-            pass  # joined when the barrier completes (below, via barrier_join)
         elif mn == "link.recv":
             sends = self.sends[link_key(ins)]
             if sends:
@@ -200,21 +196,19 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
 
     sem_totals: dict[int, int] = defaultdict(int)
     sem_signals: dict[int, dict[Engine, int]] = defaultdict(lambda: defaultdict(int))
-    barrier_members: dict[int, list[int]] = defaultdict(list)
-    for idx, ins in enumerate(program.instructions):
+    for ins in program.instructions:
         if ins.mnemonic == "sem.signal":
             sem_totals[ins.arg("sem")] += ins.arg("count")
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
-        elif ins.mnemonic == "barrier":
-            barrier_members[ins.arg("id")].append(idx)
 
     clocks = _Clocks()
-    accesses: dict[tuple[Space, int], list[tuple[Tile, bool, Engine, int, dict, int]]] = defaultdict(list)
+    # per memory: (first byte, end, tile, writes, engine, id, instruction index)
+    accesses: dict[tuple[Space, int], list[tuple]] = defaultdict(list)
     written: dict[tuple[Space, int], _IntervalSet] = defaultdict(_IntervalSet)
     pending_barrier: dict[int, list[tuple[Engine, dict]]] = defaultdict(list)
     for idx in order:
         ins = program.instructions[idx]
-        eng, my_id, vc = clocks.step(ins, program, sem_totals, sem_signals)
+        eng, my_id, vc = clocks.step(ins, sem_totals, sem_signals)
         if ins.mnemonic == "barrier":
             bid = ins.arg("id")
             pending_barrier[bid].append((eng, vc))

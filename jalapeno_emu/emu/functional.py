@@ -92,11 +92,6 @@ class MemoryLayout:
 
 
 # --- bytes <-> values -----------------------------------------------------------------------
-def _span(tile: Tile) -> int:
-    """Bytes from the tile's first byte to one past its last."""
-    return (tile.rows - 1) * tile.stride + tile.row_bytes
-
-
 def _read_bytes(buf: jax.Array, off: Any, tile: Tile) -> jax.Array:
     """uint8[rows, row_bytes] of a strided tile at byte ``off`` (an int or a traced int32)."""
     rb, rows, stride = tile.row_bytes, tile.rows, tile.stride
@@ -159,7 +154,7 @@ class _Exec:
     def __init__(self, ins: Instruction, locs: dict[str, tuple[str, Any]]) -> None:
         self.ins = ins
         self.locs = locs
-        self.flags: list[tuple[str, jax.Array]] = []
+        self.flags: list[jax.Array] = []  # bool scalars; the messages are _flag_messages(ins)
 
     def raw(self, state: State, name: str) -> jax.Array:
         key, off = self.locs[name]
@@ -200,8 +195,7 @@ class _Exec:
     def op_dma_gather(self, state, ins):
         n_src = ins.arg("src").rows
         ids = self.get(state, "idx")[:, 0]
-        self.flags.append((f"gather index outside [0, {n_src}) of {ins.arg('src').region()}",
-                           jnp.any((ids < 0) | (ids >= n_src))))
+        self.flags.append(jnp.any((ids < 0) | (ids >= n_src)))
         rows = self.raw(state, "src")
         self.put_raw(state, "dst", jnp.take(rows, jnp.clip(ids, 0, n_src - 1), axis=0))
 
@@ -280,7 +274,7 @@ class _Exec:
         uniq = jnp.zeros((u_rows,), jnp.int32).at[jnp.where(new, rank, u_rows)].set(ordered, mode="drop")
         live = jnp.arange(u_rows) < count
         uniq = jnp.where(live, uniq, ordered[-1])
-        self.flags.append(("more distinct values in src than dst has rows", count > u_rows))
+        self.flags.append(count > u_rows)
         out = jnp.zeros((u_rows, ids.shape[0]), jnp.float32)
         for j in range(ids.shape[1]):  # increasing j, as documented
             hit = (ids[None, :, j] == uniq[:, None]) & live[:, None]
@@ -515,7 +509,7 @@ def _compiled_instruction(sig: _Signature, example: Instruction) -> Callable:
         locs = {name: (f"s{slot_of[name]}", offsets[i]) for i, name in enumerate(tile_names)}
         ex = _Exec(example, locs)
         ex.run(state)
-        flags = jnp.stack([f for _, f in ex.flags]) if ex.flags else jnp.zeros((0,), bool)
+        flags = jnp.stack(ex.flags) if ex.flags else jnp.zeros((0,), bool)
         return tuple(state[f"s{i}"] for i in range(n_slots)), flags
 
     return jax.jit(fn, donate_argnums=0)
@@ -611,7 +605,7 @@ def _whole_program(program: Program, seed: int | None) -> tuple[Callable, list[i
                     if isinstance(v, Tile)}
             ex = _Exec(ins, locs)
             ex.run(state)
-            for _, f in ex.flags:
+            for f in ex.flags:
                 flags.append(f)
                 flag_at.append(idx)
         return state, (jnp.stack(flags) if flags else jnp.zeros((0,), bool))

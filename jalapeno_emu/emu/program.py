@@ -6,7 +6,6 @@ produce a Program; the checker, the functional pass and the timing pass all read
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,11 +282,3 @@ class Program:
             if a.name == name and (space is None or a.space is space) and (core is None or a.core == core):
                 return a
         raise KeyError(name)
-
-    def fingerprint(self) -> str:
-        """A stable hash of everything that affects execution (for compiled-function caches)."""
-        h = hashlib.sha256()
-        for ins in self.instructions:
-            h.update(repr((ins.mnemonic, ins.engine, ins.args)).encode())
-        h.update(repr((self.allocations, self.inits)).encode())
-        return h.hexdigest()[:16]

@@ -13,7 +13,7 @@ from collections import defaultdict
 from jalapeno_emu.emu.program import Instruction, Program
 from jalapeno_emu.errors import Deadlock
 
-__all__ = ["link_key", "sequential_order"]
+__all__ = ["deadlock_error", "link_key", "sequential_order"]
 
 
 def link_key(ins: Instruction) -> tuple[int, int]:
@@ -86,11 +86,16 @@ def sequential_order(program: Program, *, seed: int | None = None) -> list[int]:
                 remaining -= 1
                 progress = True
     if remaining:
-        raise _deadlock(program, streams, heads, sem_count, barrier_arrived)
+        raise deadlock_error(program, streams, heads, sem_count, barrier_arrived)
     return order
 
 
-def _deadlock(program, streams, heads, sem_count, barrier_arrived) -> Deadlock:
+def deadlock_error(program, streams, heads, sem_count, barrier_arrived) -> Deadlock:
+    """The Deadlock naming every blocked engine, what it waits on, and what could still signal it.
+
+    Args: the program, its streams (engine -> indices), each engine's next position, the semaphore
+    counts reached, and barrier id -> engines that arrived (the scheduler's and timing pass's state).
+    """
     names = dict(program.semaphores)
     waits = []
     first_idx = None

@@ -73,7 +73,7 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.costs import BARRIER, COPY, HBM, MXU, SEND, SIGNAL, VEC, WAIT, StaticCosts
 from jalapeno_emu.emu.program import Engine, Program
-from jalapeno_emu.emu.schedule import _deadlock
+from jalapeno_emu.emu.schedule import deadlock_error
 from jalapeno_emu.emu.timeline import Timeline
 from jalapeno_emu.errors import InvalidArgumentError
 
@@ -375,7 +375,7 @@ def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
     if any(head[e] < len(streams[e]) for e in range(n_eng)):
         heads = {engines[e]: head[e] for e in range(n_eng)}
         barrier_arrived = {b: {engines[e2] for e2, _, _ in group} for b, group in arrived.items()}
-        raise _deadlock(program, dict(zip(engines, streams, strict=True)), heads,
+        raise deadlock_error(program, dict(zip(engines, streams, strict=True)), heads,
                         defaultdict(int, zip(st.facts.semaphore_ids.tolist(), sem_count, strict=True)),
                         defaultdict(set, barrier_arrived))
 

@@ -48,12 +48,6 @@ def f32_significand(mag_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return m, ex0
 
 
-def f32_floor_log2(mag_bits: jax.Array) -> jax.Array:
-    """floor(log2|x|) from |x|'s int32 bits (exact, subnormals included; meaningless for 0)."""
-    m, ex0 = f32_significand(mag_bits)
-    return floor_log2_int(m) + ex0
-
-
 def shift_right_round(
     m: jax.Array, shift: jax.Array, rounding: str, rand_u32: jax.Array | None
 ) -> jax.Array:

@@ -14,6 +14,7 @@ NaN E8M0 scale, so a read of memory nothing wrote shows up as NaN in the results
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -70,6 +71,15 @@ class MemoryLayout:
         acc = tuple(sorted((c, n) for (s, c), n in need.items() if s is Space.ACC))
         return MemoryLayout(hbm, sram, acc)
 
+    @functools.cached_property
+    def _hbm_offsets(self) -> list[int]:
+        return [a.offset for a in self.hbm]
+
+    @functools.cached_property
+    def sizes(self) -> dict[str, int]:
+        """Buffer name -> size in bytes (computed once)."""
+        return self.buffers()
+
     def buffers(self) -> dict[str, int]:
         """Buffer name -> size in bytes."""
         out = {f"hbm:{a.name}": a.nbytes for a in self.hbm}
@@ -81,7 +91,11 @@ class MemoryLayout:
                ) -> tuple[str, int]:
         """(buffer name, offset within it) of ``tile``; raises OutOfBounds if it is not backed."""
         if tile.space is Space.HBM:
-            for a in self.hbm:
+            # The allocation starting at or before the tile is the only candidate when
+            # allocations do not overlap; the scan keeps hand-written overlapping ones working.
+            i = bisect.bisect_right(self._hbm_offsets, tile.offset) - 1
+            candidates = [self.hbm[i]] if i >= 0 else []
+            for a in (*candidates, *self.hbm):
                 if a.offset <= tile.offset and tile.end <= a.end:
                     return f"hbm:{a.name}", tile.offset - a.offset
             raise OutOfBounds(
@@ -483,7 +497,7 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int
     slots: list[str] = []
     offsets: list[int] = []
     parts: list[Any] = [ins.mnemonic]
-    sizes = layout.buffers()
+    sizes = layout.sizes
     for name, value in ins.args:
         if isinstance(value, Tile):
             key, off = layout.locate(value, index=idx, ins=ins)

@@ -266,43 +266,48 @@ class KernelBuilder:
 
     def _issue(self, engine: Engine, row: InstrSpec, args: tuple, kwargs: dict,
                source: str) -> Instruction:
-        from .legality import check_instruction  # the legality checker reads the same table
-
-        values: dict[str, Any] = {}
-        names = [op.name for op in row.operands]
+        names, defaults, with_offset = _row_layout(row)
         if len(args) > len(names):
             raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
                                      f"got {len(args)}", engine=str(engine), source=source)
-        for name, value in zip(names, args, strict=False):
-            values[name] = value
+        values = list(args) + [_MISSING] * (len(names) - len(args))
         for name, value in kwargs.items():
             if name not in names:
                 raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}",
                                          engine=str(engine), source=source)
-            if name in values:
+            i = names.index(name)
+            if values[i] is not _MISSING:
                 raise IllegalInstruction(f"operand {name!r} given twice", engine=str(engine),
                                          source=source)
-            values[name] = value
+            values[i] = value
         ordered = []
-        for op in row.operands:
-            v = values.get(op.name, op.default if op.optional else _MISSING)
+        key_parts = []
+        for name, v, default in zip(names, values, defaults, strict=True):
             if v is _MISSING:
-                raise IllegalInstruction(f"{row.mnemonic} needs operand {op.name!r}",
-                                         engine=str(engine), source=source)
-            if isinstance(v, Semaphore):
-                v = v.id
-            if isinstance(v, MXTensor):
-                raise IllegalInstruction(
-                    f"operand {op.name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
-                    engine=str(engine), source=source)
-            ordered.append((op.name, v))
+                v = default
+                if v is _MISSING:
+                    raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}",
+                                             engine=str(engine), source=source)
+            cls = type(v)
+            if cls is Tile:
+                key_parts.append(_tile_key(v, with_offset))
+            else:
+                if cls is Semaphore:
+                    v = v.id
+                elif cls is MXTensor:
+                    raise IllegalInstruction(
+                        f"operand {name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
+                        engine=str(engine), source=source)
+                key_parts.append(v)
+            ordered.append((name, v))
         ins = Instruction(row.mnemonic, engine, tuple(ordered), source)
         # Legality depends on the operands' shapes, dtypes, spaces and cores, not on where tiles
         # sit (no rule reads an offset; the key keeps it when one does): check each distinct
         # signature once, as kernels issue the same few shapes thousands of times.
-        key = (engine, tuple((n, _tile_key(v, row.mnemonic in _OFFSET_RULES) if isinstance(v, Tile)
-                              else v) for n, v in ordered))
+        key = (engine, row.mnemonic, tuple(key_parts))
         if key not in self._legal:
+            from .legality import check_instruction  # reads the same table; imported late
+
             check_instruction(ins, index=len(self._instructions))
             self._legal.add(key)
         self._instructions.append(ins)
@@ -321,6 +326,16 @@ class KernelBuilder:
 
 
 _MISSING = object()
+
+
+@functools.cache
+def _row_layout(row: InstrSpec) -> tuple[tuple[str, ...], tuple[Any, ...], bool]:
+    """Operand names, defaults (_MISSING where required) and whether a rule reads an offset."""
+    names = tuple(op.name for op in row.operands)
+    defaults = tuple(op.default if op.optional else _MISSING for op in row.operands)
+    return names, defaults, row.mnemonic in _OFFSET_RULES
+
+
 _OFFSET_RULES = frozenset(r.mnemonic for r in TABLE if any("offset" in rule for rule in r.rules))
 
 

@@ -209,6 +209,8 @@ def _check_value(spec: InstrSpec, op: OperandSpec, value: Any, ins: Instruction,
                   ("rows", value.rows, _U32_MAX), ("cols", value.cols, _U32_MAX),
                   ("stride", value.stride, _U64_MAX))
         for field, v, top in fields:
+            if type(v) is int and 0 <= v <= top:  # the common case, without the ABC check
+                continue
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not 0 <= v <= top:
                 raise _illegal(f"{where}: tile {field} {v!r} must be an integer in [0, {top}]", ins, index,
                                operand=op.name)
@@ -223,7 +225,7 @@ def _check_value(spec: InstrSpec, op: OperandSpec, value: Any, ins: Instruction,
             raise _illegal(f"{where} has dtype {value.dtype}, not one of {', '.join(op.dtypes)}", ins, index,
                            operand=op.name, addresses=(value.region(),))
     elif op.kind in ("imm", "sem"):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        if type(value) is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
             raise _illegal(f"{where} must be an integer, got {value!r}", ins, index, operand=op.name)
         lo, hi = _I64 if op.kind == "imm" else (0, _U32_MAX)
         if not lo <= value <= hi:

@@ -3,6 +3,9 @@
     h = bf16(x + residual)                    (the new residual stream, also an output)
     y = bf16(h * rsqrt(mean(h^2) + eps) * w)
 
+With ``residual=false`` (MLA's q_a and kv_a norms) there is no residual input and no ``h``
+output: ``y = bf16(x * rsqrt(mean(x^2) + eps) * w)``.
+
 Tokens are split over cores; each core walks its rows in tiles of R rows, double-buffered: one
 DMA queue loads the next tile while the vector unit normalises the current one and a second
 queue stores the previous one. The kernel moves 4 bytes in and 4 out per element and does a
@@ -31,8 +34,13 @@ _SRAM_SHARE = 0.9  # leave a little scratchpad for the weight, eps and per-row s
 
 
 def rmsnorm_reference(x, residual, weight, eps: float):
-    """Pure-JAX RMSNorm with residual add, same roundings as the kernel: (y, h), both bf16."""
-    h = (jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)).astype(jnp.bfloat16)
+    """Pure-JAX RMSNorm with residual add, same roundings as the kernel: (y, h), both bf16.
+
+    ``residual`` None: no add (h is x itself)."""
+    if residual is None:
+        h = jnp.asarray(x).astype(jnp.bfloat16)
+    else:
+        h = (jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)).astype(jnp.bfloat16)
     hf = h.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(hf * hf, axis=1, keepdims=True) * jnp.float32(1 / hf.shape[1])
                     + jnp.float32(eps))
@@ -55,17 +63,19 @@ def _rows_per_tile(hidden: int, rows: int, spec: ChipSpec) -> int:
 
 def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     """RMSNorm + residual over ``tokens`` x ``hidden`` (shape keys), spread over the cores."""
-    t, h, eps = shape["tokens"], shape["hidden"], shape["eps"]
+    t, h, eps, fused = shape["tokens"], shape["hidden"], shape["eps"], shape["residual"]
     if eps <= 0:
         raise InvalidArgumentError(f"shape key eps={eps} must be positive")
     cores = min(spec.core.count, t)
     rows_per_core = -(-t // cores)
     r = _rows_per_tile(h, rows_per_core, spec)
     kb = KernelBuilder(f"rmsnorm_{t}x{h}", chip=spec)
-    x_h, res_h = kb.hbm("x", (t, h), "bf16"), kb.hbm("residual", (t, h), "bf16")
+    x_h = kb.hbm("x", (t, h), "bf16")
+    res_h = kb.hbm("residual", (t, h), "bf16") if fused else None
     w_h = kb.hbm("w", (1, h), "bf16")
     eps_h = kb.hbm("eps", (1, 1), "f32")
-    y_h, hout_h = kb.hbm("y", (t, h), "bf16"), kb.hbm("h", (t, h), "bf16")
+    y_h = kb.hbm("y", (t, h), "bf16")
+    hout_h = kb.hbm("h", (t, h), "bf16") if fused else None
     for c in range(cores):
         lo, hi = c * rows_per_core, min(t, (c + 1) * rows_per_core)
         if lo >= hi:
@@ -95,11 +105,15 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             if use > 1:  # the slot's previous tile must have been stored
                 q_load.wait(sl["stored"], use - 1)
             q_load.load(tile["x"], x_h.sub(r0, 0, n, h))
-            q_load.load(tile["r"], res_h.sub(r0, 0, n, h))
+            if fused:
+                q_load.load(tile["r"], res_h.sub(r0, 0, n, h))
             q_load.signal(sl["loaded"])
             v = core.vpu
             v.wait(sl["loaded"], use)
-            v.add(tile["h"], tile["x"], tile["r"])
+            if fused:
+                v.add(tile["h"], tile["x"], tile["r"])
+            else:
+                tile["h"] = tile["x"]
             v.square(tile["f"], tile["h"])
             v.reduce("sum", tile["ss"], tile["f"])
             v.scale(tile["ss"], tile["ss"], 1.0 / h)
@@ -110,25 +124,29 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             v.signal(sl["done"])
             q_store.wait(sl["done"], use)
             q_store.store(y_h.sub(r0, 0, n, h), tile["y"])
-            q_store.store(hout_h.sub(r0, 0, n, h), tile["h"])
+            if fused:
+                q_store.store(hout_h.sub(r0, 0, n, h), tile["h"])
             q_store.signal(sl["stored"])
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
-        return {
+        out = {
             "x": rng.standard_normal((t, h)).astype(ml_dtypes.bfloat16),
             "residual": rng.standard_normal((t, h)).astype(ml_dtypes.bfloat16),
             "w": (1 + 0.1 * rng.standard_normal((1, h))).astype(ml_dtypes.bfloat16),
             "eps": np.full((1, 1), eps, np.float32),
         }
+        if not fused:
+            del out["residual"]
+        return out
 
     def reference(inputs):
-        y, hh = rmsnorm_reference(inputs["x"], inputs["residual"], inputs["w"], eps)
-        return {"y": np.asarray(y), "h": np.asarray(hh)}
+        y, hh = rmsnorm_reference(inputs["x"], inputs.get("residual"), inputs["w"], eps)
+        return {"y": np.asarray(y), "h": np.asarray(hh)} if fused else {"y": np.asarray(y)}
 
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"y": ("bf16", (t, h)), "h": ("bf16", (t, h))},
+        outputs={"y": ("bf16", (t, h)), "h": ("bf16", (t, h))} if fused else {"y": ("bf16", (t, h))},
         tolerance=Tolerance(atol=1e-6, rtol=2.0**-7, why="the sum of squares is accumulated in "
                             "column order on the vector unit and pairwise in XLA: the f32 scale "
                             "may differ in the last bits, which can move y by one bf16 ulp"),
@@ -143,6 +161,7 @@ RMSNORM = register(KernelDef(
         ShapeKey("tokens", int, 8, "rows (tokens in the batch)", minimum=1),
         ShapeKey("hidden", int, 256, "hidden size (gpt-oss-120b: 2880)", minimum=1),
         ShapeKey("eps", float, 1e-5, "added to the mean square (gpt-oss: 1e-5)"),
+        ShapeKey("residual", bool, True, "fuse the residual add (false: MLA's q_a/kv_a norms)"),
     ),
     build=build_rmsnorm,
 ))

@@ -30,3 +30,13 @@ def test_impossible_shapes_are_refused_before_building():
         get_kernel("rmsnorm").shape(texts=["tokenz=3"])
     with pytest.raises(InvalidArgumentError, match=">= 1"):
         get_kernel("rmsnorm").shape(texts=["tokens=0"])
+
+
+def test_rmsnorm_without_residual_matches_reference_and_moves_half_the_input():
+    r = run_kernel("rmsnorm", {"tokens": 6, "hidden": 64, "residual": False}, check=True)
+    assert r.check["passed"], r.check
+    assert set(r.build.outputs) == {"y"}
+    fused = run_kernel("rmsnorm", {"tokens": 4096, "hidden": 512}, preset="jalapeno-v1")
+    plain = run_kernel("rmsnorm", {"tokens": 4096, "hidden": 512, "residual": False}, preset="jalapeno-v1")
+    # fused: x, residual in; y, h out. plain: x in, y out (plus the weight and eps either way).
+    assert plain.summary["hbm_bytes"] < 0.55 * fused.summary["hbm_bytes"]

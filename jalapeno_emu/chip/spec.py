@@ -257,13 +257,56 @@ class HbmSpec(_Block):
 
 @dataclass(frozen=True, kw_only=True)
 class LinkSpec(_Block):
-    """The scale-up links to the switched rack fabric."""
+    """The scale-up links: a chip's ports into a switched fabric, and the domain that fabric reaches.
+
+    Topology: switched. Each port goes to its own switch plane and every plane reaches every chip
+    of the domain, so a message to any peer crosses ``switch_hops`` switches and
+    ``switch_hops + 1`` links and is striped over ``stripe_ports`` ports. One message of ``n``
+    bytes costs (:meth:`message_s`, the formula the timing pass and the rack's collectives share)::
+
+        alpha = message_setup_s + (switch_hops + 1) * latency_s + switch_hops * switch_latency_s
+        beta  = 1 / (stripe_ports * bytes_per_s_per_direction * efficiency)      [s/B]
+        time  = alpha + n * beta
+    """
 
     PATH: ClassVar[str] = "link"
-    ports: int = _param("", "scale-up ports per chip", "nonnegative")
+    ports: int = _param("", "scale-up ports per chip")
     bytes_per_s_per_direction: float = _param("B/s", "bandwidth of one port, each direction")
     latency_s: float = _param("s", "per-hop latency (SerDes, FEC, cable)", "nonnegative")
     switch_latency_s: float = _param("s", "latency through one switch", "nonnegative")
+    domain_chips: int = _param("chips", "chips one scale-up domain connects through its switches")
+    switch_hops: int = _param("", "switches a message crosses between two chips of the domain",
+                              "nonnegative")
+    stripe_ports: int = _param("", "ports one message is striped over (switch planes reaching the peer)")
+    message_setup_s: float = _param("s", "per-message set-up: descriptor, doorbell, completion signal",
+                                    "nonnegative")
+    efficiency: float = _param("", "achievable fraction of a port's bandwidth (headers, FEC, flow control)",
+                               "fraction")
+
+    @property
+    def path_latency_s(self) -> float:
+        """Latency of the path between two chips: every link hop and every switch, in s."""
+        return (self.switch_hops + 1) * self.latency_s + self.switch_hops * self.switch_latency_s
+
+    @property
+    def alpha_s(self) -> float:
+        """The fixed cost of one message: set-up plus path latency, in s."""
+        return self.message_setup_s + self.path_latency_s
+
+    @property
+    def stripe_bytes_per_s(self) -> float:
+        """Achievable bandwidth of one message, each direction: striped ports x port rate x efficiency."""
+        return self.stripe_ports * self.bytes_per_s_per_direction * self.efficiency
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds to deliver one message of ``nbytes`` bytes: ``alpha_s + nbytes / stripe_bytes_per_s``."""
+        return self.alpha_s + nbytes / self.stripe_bytes_per_s
+
+    def _check_relations(self) -> None:
+        if self.stripe_ports > self.ports:
+            self._fail("stripe_ports", f"<= link.ports ({self.ports})", self.stripe_ports)
+        if self.domain_chips > 1 and self.switch_hops < 1:
+            self._fail("switch_hops", "at least 1: the scale-up topology is switched", self.switch_hops)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -501,6 +544,14 @@ DERIVED_QUANTITIES: Mapping[str, DerivedQuantity] = MappingProxyType(dict([
         lambda s: s.core.count * (s.sram.scratchpad_bytes + s.sram.accumulator_bytes)),
     _dq("link_bytes_per_s_per_direction", "B/s", "link.ports x link.bytes_per_s_per_direction",
         lambda s: s.link.ports * s.link.bytes_per_s_per_direction),
+    _dq("link_alpha_s", "s", "link.message_setup_s + (switch_hops + 1) x latency_s + switch_hops x "
+        "switch_latency_s (fixed cost of one message)", lambda s: s.link.alpha_s),
+    _dq("link_stripe_bytes_per_s", "B/s", "link.stripe_ports x bytes_per_s_per_direction x efficiency "
+        "(one message's achievable bandwidth)", lambda s: s.link.stripe_bytes_per_s),
+    _dq("domain_peak_mxfp4_flops_per_s", "FLOP/s", "link.domain_chips x peak_mxfp4_flops_per_s",
+        lambda s: s.link.domain_chips * _flops(s, s.matrix.mxfp4_macs_per_cycle)),
+    _dq("domain_hbm_capacity_bytes", "B", "link.domain_chips x hbm_capacity_bytes",
+        lambda s: s.link.domain_chips * s.hbm.capacity_bytes),
     _dq("mxfp4_flops_per_hbm_byte", "FLOP/B", "peak_mxfp4_flops_per_s / hbm_bytes_per_s (ridge point)",
         lambda s: _flops(s, s.matrix.mxfp4_macs_per_cycle) / s.hbm.bytes_per_s),
 ]))

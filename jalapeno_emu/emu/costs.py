@@ -319,10 +319,12 @@ class StaticCosts:
         compute = mm | vec
         dur[compute] = fixed[compute] + work[compute]
 
-        # Link: alpha-beta.
+        # Link: alpha-beta, the chip spec's message cost (LinkSpec.message_s): set-up plus the path's
+        # hop and switch latencies, then bytes over the striped ports. The rack's collectives price
+        # each step with the same formula, so a collective emitted here times as it is modelled there.
         send = kind == SEND
-        dur[send] = link.latency_s + f.nbytes[send] / link.bytes_per_s_per_direction
-        fixed[send] = link.latency_s
+        dur[send] = link.alpha_s + f.nbytes[send] / link.stripe_bytes_per_s
+        fixed[send] = link.alpha_s
 
         self.category = _CATEGORY_OF_KIND[kind]
         self.hbm = hbm_dma

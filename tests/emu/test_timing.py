@@ -234,7 +234,8 @@ def test_link_send_and_receive_on_one_chip(tiny):
     kb.link.recv(y, 0, 5)
     tl = run_timing(kb.build(), tiny)
     link = tiny.link
-    assert tl.end_s[0] == pytest.approx(link.latency_s + 16 * 256 * 4 / link.bytes_per_s_per_direction)
+    assert tl.end_s[0] == pytest.approx(link.alpha_s + 16 * 256 * 4 / link.stripe_bytes_per_s)
+    assert tl.end_s[0] == pytest.approx(link.message_s(16 * 256 * 4))
     assert tl.end_s[1] == tl.end_s[0]
 
 

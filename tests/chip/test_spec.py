@@ -49,6 +49,20 @@ def test_jalapeno_v1_rack_totals_and_public_leaves(v1):
         assert "Hot Chips 2026" in v1.provenance[path].note
 
 
+def test_link_message_cost_is_alpha_beta_over_the_switched_path(v1):
+    link = v1.link
+    assert (link.domain_chips, link.switch_hops, link.stripe_ports) == (128, 1, link.ports)
+    # chip -> switch -> chip: two link hops and one switch, after the per-message set-up
+    assert link.path_latency_s == pytest.approx(2 * link.latency_s + link.switch_latency_s)
+    assert link.alpha_s == pytest.approx(link.message_setup_s + 2 * 200e-9 + 250e-9)
+    assert link.stripe_bytes_per_s == pytest.approx(16 * 100e9 * 0.9)
+    assert link.message_s(2**20) == pytest.approx(link.alpha_s + 2**20 / (16 * 100e9 * 0.9))
+    d = v1.derived()
+    assert d["link_alpha_s"] == link.alpha_s and d["link_stripe_bytes_per_s"] == link.stripe_bytes_per_s
+    assert d["domain_hbm_capacity_bytes"] == 27 * 2**40  # the public 27 TiB per 128-chip rack
+    assert d["domain_peak_mxfp4_flops_per_s"] == pytest.approx(1.7e18, rel=0.02)
+
+
 def test_derived_totals_follow_the_definitions(v1):
     d = v1.derived()
     flops_per_mac_cycle = 2 * v1.core.count * v1.core.clock_hz  # a FLOP is 2 per MAC
@@ -122,6 +136,10 @@ def test_replace_revalidates_and_marks_overrides(v1):
         ({"vector.transcendental_elements_per_cycle": 1024}, r"must be <= vector\.lanes \(512\)"),
         ({"hbm.capacity_bytes_per_stack": 1000}, r"hbm\.capacity_bytes_per_stack must be a multiple"),
         ({"hbm.eficiency": 0.9}, r"unknown chip field 'hbm\.eficiency'; did you mean hbm\.efficiency"),
+        ({"link.stripe_ports": 17}, r"link\.stripe_ports must be <= link\.ports \(16\), found 17"),
+        ({"link.switch_hops": 0}, r"link\.switch_hops must be at least 1: the scale-up topology is switched"),
+        ({"link.efficiency": 0.0}, r"link\.efficiency must be in \(0, 1\], found 0\.0"),
+        ({"link.domain_chips": 0}, r"link\.domain_chips must be > 0, found 0"),
     ],
 )
 def test_invariants_name_the_field_expected_and_found(v1, overrides, message):

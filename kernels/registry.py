@@ -13,7 +13,7 @@ __all__ = ["all_kernels", "get_kernel", "register"]
 
 _REGISTRY: dict[str, KernelDef] = {}
 # Kernel family modules, imported on first use so that importing one kernel stays cheap.
-_FAMILIES = ("norm", "gemm", "attention", "mla", "moe")
+_FAMILIES = ("norm", "gemm", "attention", "mla", "moe", "cache")
 
 
 def register(kdef: KernelDef) -> KernelDef:

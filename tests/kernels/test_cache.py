@@ -1,0 +1,241 @@
+"""kv-append / mla-append: bit-exact against their references (every byte of the caches), the
+rotation against attention-prefill's K^T rotation and HF DeepSeek's RoPE, the caches consumed by
+attention-decode and mla-decode, the YaRN tables, refusals, and full-size timing."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jalapeno_emu.chip import load_preset
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels import get_kernel, run_kernel
+from jalapeno_emu.kernels.attention import decode_logical_cache, yarn_cos_sin
+from jalapeno_emu.kernels.cache import (
+    YARN_DEEPSEEK_V3,
+    deepseek_yarn_cos_sin,
+    kv_append_reference,
+    rope_deinterleaved,
+    rope_rotate_half,
+)
+from jalapeno_emu.kernels.mla import mla_decode_reference
+
+BF16 = ml_dtypes.bfloat16
+TINY = load_preset("tiny")
+
+
+def _build(name, shape, spec=TINY):
+    kdef = get_kernel(name)
+    full = kdef.shape(shape)
+    return full, kdef.build(full, spec)
+
+
+def _run(build, inputs):
+    """Run a built kernel functionally; its outputs as arrays of their recorded dtype and shape."""
+    res = run_functional(build.program, inputs)
+    return {name: res.read(name, dt, shape) for name, (dt, shape) in build.outputs.items()}
+
+
+def _bits(x):
+    return np.asarray(x, BF16).view(np.uint16)
+
+
+# --- kv-append ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [
+    {},  # new token inside a partly filled 32-token block (context 40, cap 64)
+    {"context": 1, "batch": 3, "kv_heads": 1},  # the first token of every sequence
+    {"context": 64, "head_dim": 128},  # the last slot of a full block
+    {"batch": 4, "kv_heads": 8, "head_dim": 1024, "context": 33},  # two jobs per core on tiny
+])
+def test_kv_append_is_bit_exact_on_every_byte(shape):
+    r = run_kernel("kv-append", shape, check=True)
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
+    if shape.get("head_dim") == 1024:
+        assert r.notes["jobs_per_core"] == 2
+
+
+def test_kv_append_rotation_is_attention_prefill_bit_for_bit():
+    """attention-prefill over 64 tokens writes rotated K^T columns 0..63; kv-append of token p
+    (context p+1) onto columns 0..p-1 of that cache gives back column p bit for bit."""
+    _, pre = _build("attention-prefill", {"seq": 64, "q_heads": 4, "kv_heads": 2, "head_dim": 64})
+    pin = pre.make_inputs(3)
+    k_pf = np.asarray(_run(pre, pin)["k_cache"])[:, :64]  # [B*G*D, 64]
+    for p in (40, 63):
+        _, app = _build("kv-append", {"batch": 1, "context": p + 1, "kv_heads": 2, "head_dim": 64})
+        ins = app.make_inputs(0)
+        ins["k_cache"][:, :p] = k_pf[:, :p]  # the prior context as prefill wrote it
+        ins["k_new"] = np.asarray(pin["k"])[:, p].reshape(1, 2 * 64)  # token p's un-rotated key
+        ins["rope_cos"], ins["rope_sin"] = pin["rope_cos"][p:p + 1], pin["rope_sin"][p:p + 1]
+        got = _run(app, ins)["k_cache"]
+        np.testing.assert_array_equal(_bits(got[:, :p + 1]), _bits(k_pf[:, :p + 1]))
+
+
+def test_kv_append_then_attention_decode():
+    """decode reads the appended token where kv-append wrote it, and its output matches decode's
+    reference on the appended cache."""
+    common = {"batch": 2, "context": 40, "kv_heads": 2, "head_dim": 64}
+    dshape, dec = _build("attention-decode", {**common, "q_heads": 4})
+    _, app = _build("kv-append", common)
+    din = dec.make_inputs(5)
+    ins = app.make_inputs(6)
+    ins.update(k_cache=din["k_cache"], v_cache=din["v_cache"],
+               rope_cos=din["rope_cos"][39:40], rope_sin=din["rope_sin"][39:40])
+    appended = _run(app, ins)
+    din.update(appended)
+    kt, v = decode_logical_cache(din, dshape)  # [B, G, D, cap], [B, G, cap, D]
+    k_new = np.asarray(ins["k_new"], np.float32).reshape(2, 2, 64)
+    np.testing.assert_array_equal(kt[..., 39], rope_rotate_half(k_new, ins["rope_cos"], ins["rope_sin"]))
+    np.testing.assert_array_equal(v[:, :, 39], np.asarray(ins["v_new"], np.float32).reshape(2, 2, 64))
+    # Every other token is untouched.
+    before_kt, before_v = decode_logical_cache(dec.make_inputs(5), dshape)
+    np.testing.assert_array_equal(np.delete(kt, 39, axis=3), np.delete(before_kt, 39, axis=3))
+    np.testing.assert_array_equal(np.delete(v, 39, axis=2), np.delete(before_v, 39, axis=2))
+    out = _run(dec, din)["out"]
+    want = dec.reference(din)["out"]
+    tol = dec.tolerance
+    assert np.all(np.abs(np.asarray(out, np.float64) - want) <= tol.atol + tol.rtol * np.abs(want))
+
+
+@pytest.mark.parametrize("context", [1, 32, 40, 8192])
+def test_kv_append_cache_allocations_are_attention_decodes(context):
+    common = {"batch": 3, "context": context, "kv_heads": 2, "head_dim": 64}
+    spec = load_preset("jalapeno-v1")
+    _, dec = _build("attention-decode", {**common, "q_heads": 4}, spec)
+    _, app = _build("kv-append", common, spec)
+    dt, at = (dict(dict(b.program.meta)["tensors"]) for b in (dec, app))
+    assert at["k_cache"] == dt["k_cache"] and at["v_cache"] == dt["v_cache"]
+
+
+# --- mla-append ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [
+    {},
+    {"batch": 3, "q_heads": 5, "context": 7, "nope_dim": 16, "rope_dim": 6, "kv_lora_rank": 40},
+    {"batch": 40, "context": 3, "q_heads": 16, "nope_dim": 128, "rope_dim": 64, "kv_lora_rank": 512},
+])
+def test_mla_append_is_bit_exact_on_every_byte(shape):
+    r = run_kernel("mla-append", shape, check=True)
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
+    if shape.get("batch") == 40:
+        assert r.notes["jobs_per_core"] > 1  # 320 query rows per core do not fit tiny's scratchpad
+
+
+def _hf_deepseek_rope(x, cos_half, sin_half):
+    """HF modeling_deepseek apply_rotary_pos_emb in float64: view (d/2, 2), transpose, reshape,
+    then x*cos + rotate_half(x)*sin with the full-width [cos | cos] tables."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    x = x.reshape(*x.shape[:-1], d // 2, 2).swapaxes(-1, -2).reshape(x.shape)
+    cos = np.concatenate([cos_half, cos_half], axis=-1).astype(np.float64)
+    sin = np.concatenate([sin_half, sin_half], axis=-1).astype(np.float64)
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+def test_mla_rope_is_hf_deepseek_and_preserves_scores():
+    rng = np.random.default_rng(0)
+    cos, sin = deepseek_yarn_cos_sin(3000, 64)
+    q = rng.standard_normal((4, 64)).astype(BF16)
+    k = rng.standard_normal((4, 64)).astype(BF16)
+    m, n = 2999, 1234
+    got = rope_deinterleaved(q, cos[m], sin[m])
+    want = _hf_deepseek_rope(q, cos[m], sin[m])
+    np.testing.assert_allclose(got, want, rtol=2.0**-8, atol=1e-6)  # one BF16 rounding apart
+    # Scores depend only on the distance (de-interleaved storage keeps q.k): (m, n) vs (m-n, 0).
+    def score(a, b):
+        return np.sum(_hf_deepseek_rope(q, cos[a], sin[a]) * _hf_deepseek_rope(k, cos[b], sin[b]), axis=-1)
+
+    np.testing.assert_allclose(score(m, n), score(m - n, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_mla_append_then_mla_decode():
+    dims = {"batch": 2, "context": 64, "q_heads": 8, "nope_dim": 32, "rope_dim": 32, "kv_lora_rank": 64}
+    dshape, dec = _build("mla-decode", dims)
+    _, app = _build("mla-append", dims)
+    din, ins = dec.make_inputs(2), app.make_inputs(3)
+    ins["kv_cache"] = din["kv_cache"]
+    out = _run(app, ins)
+    # the row mla-decode reads at position 63 of each sequence is [c_kv | rope(k_pe)]
+    kv_a = np.asarray(ins["kv_a"], np.float32)
+    rows = np.asarray(out["kv_cache"], np.float32)[[63, 127]]
+    np.testing.assert_array_equal(rows[:, :64], kv_a[:, :64])
+    rotated = rope_deinterleaved(kv_a[:, 64:], ins["rope_cos"], ins["rope_sin"])
+    np.testing.assert_array_equal(rows[:, 64:], rotated)
+    din.update(q=out["q_rot"], kv_cache=out["kv_cache"])
+    got = np.asarray(_run(dec, din)["out"], np.float64)
+    want = np.asarray(mla_decode_reference(din["q"], din["kv_cache"], din["w_kv_b"], batch=2, context=64,
+                                           heads=8, rank=64, rope=32, nope=32, v=dshape["v_head_dim"],
+                                           scale=1 / math.sqrt(64)), np.float64)
+    tol = dec.tolerance
+    assert np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want))
+
+
+def test_deepseek_yarn_tables():
+    cos, sin = deepseek_yarn_cos_sin(5000, 64)
+    np.testing.assert_allclose(cos**2 + sin**2, 1.0, rtol=1e-6)  # mscale/mscale_all_dim = 1
+    inv_freq = np.arctan2(sin[1], cos[1]).astype(np.float64)
+    base = 10000.0 ** (-np.arange(0, 64, 2) / 64)
+    # Correction range for theta 1e4, 4096 original positions, 64 dims: floor(10.47), ceil(22.5).
+    np.testing.assert_allclose(inv_freq[:11], base[:11], rtol=1e-5)  # ramp 0: extrapolated
+    np.testing.assert_allclose(inv_freq[23:], base[23:] / 40, rtol=1e-4)  # ramp 1: interpolated
+    mid = (16 - 10) / (23 - 10)
+    assert inv_freq[16] == pytest.approx(base[16] / 40 * mid + base[16] * (1 - mid), rel=1e-5)
+    # HF's default mscale_all_dim is 0: then cos/sin carry the full 0.1*ln(factor) + 1.
+    cfg = {k: v for k, v in YARN_DEEPSEEK_V3.items() if k != "mscale_all_dim"}
+    c2, s2 = deepseek_yarn_cos_sin(4, 64, cfg)
+    np.testing.assert_allclose(np.hypot(c2, s2), 0.1 * math.log(40) + 1, rtol=1e-6)
+    # factor 1 (no scaling) is plain RoPE.
+    c3, s3 = deepseek_yarn_cos_sin(3, 8, {"rope_theta": 50000.0, "factor": 1.0})
+    np.testing.assert_allclose(np.arctan2(s3[1], c3[1]), 50000.0 ** (-np.arange(0, 8, 2) / 8), rtol=1e-6)
+    with pytest.raises(InvalidArgumentError, match="rope_dim=7"):
+        deepseek_yarn_cos_sin(4, 7)
+
+
+def test_kv_append_reference_matches_gpt_oss_rope_table_rows():
+    """kv_append_reference rotates with the given row: at position 0 (angle 0) the key is only
+    scaled by the concentration factor, rounded to BF16."""
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((1, 64)).astype(BF16)
+    cos, sin = yarn_cos_sin(1, 64)
+    kc, vc = kv_append_reference(k, k, cos, sin, np.zeros((64, 160), BF16), np.zeros((32, 64), BF16),
+                                 batch=1, context=1, kv_heads=1, head_dim=64)
+    conc = 0.1 * math.log(32) + 1
+    scaled = (k.astype(np.float32)[0] * np.float32(conc)).astype(BF16)
+    np.testing.assert_array_equal(_bits(kc[:, 0]), _bits(scaled))
+    assert not np.any(kc[:, 1:].astype(np.float32)) and not np.any(vc[1:].astype(np.float32))
+
+
+# --- refusals and timing --------------------------------------------------------------------------
+@pytest.mark.parametrize("name, shape, match", [
+    ("kv-append", {"head_dim": 48}, "head_dim=48"),
+    ("kv-append", {"context": 0}, "context=0"),
+    ("kv-append", {"batch": 0}, "batch=0"),
+    ("kv-append", {"kv_dtype": "fp8e4"}, "kv_dtype='fp8e4'"),
+    ("kv-append", {"head_dim": 32768}, "head_dim=32768"),
+    ("mla-append", {"rope_dim": 33}, "rope_dim=33"),
+    ("mla-append", {"context": 0}, "context=0"),
+    ("mla-append", {"kv_lora_rank": 200_000}, "kv_lora_rank=200000"),
+])
+def test_impossible_shapes_are_refused(name, shape, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        run_kernel(name, shape)
+
+
+def test_full_size_timing_is_latency_bound():
+    """gpt-oss-120b (batch 64, 8k context) and DeepSeek-R1 (batch 64, 128 heads) on jalapeno-v1,
+    timing only: each byte moved once, a few microseconds of DMA round trips."""
+    kv = run_kernel("kv-append", dict(batch=64, context=8192, kv_heads=8, head_dim=64),
+                    preset="jalapeno-v1", safety_checks=False)
+    items, cores = 64 * 8, 64
+    assert kv.summary["hbm_bytes"] == 4 * items * 64 * 2 + cores * 2 * 32 * 4  # k, v in and out; cos, sin
+    mla = run_kernel("mla-append", dict(batch=64, context=8192, q_heads=128, nope_dim=128, rope_dim=64,
+                                        kv_lora_rank=512), preset="jalapeno-v1", safety_checks=False)
+    assert mla.summary["hbm_bytes"] == 2 * 2 * (64 * 128 * 192 + 64 * 576) + cores * 2 * 32 * 4
+    for r in (kv, mla):
+        s = r.summary
+        assert r.notes["cores"] == 64 and r.notes["jobs_per_core"] == 1
+        assert s["bound"] == "latency" and s["time_s"] < 10e-6
+        # launch + a load and a store round trip (set-up + HBM latency each) is the floor
+        spec = load_preset("jalapeno-v1")
+        assert s["time_s"] >= spec.sync.kernel_launch_s + 2 * (spec.dma.setup_latency_s + spec.hbm.latency_s)

@@ -1,0 +1,169 @@
+"""``jalapeno-emu layer`` and ``jalapeno-emu model``: per-layer and whole-step latency (timing-only)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.table import Table
+
+from jalapeno_emu.chip import apply_overrides, format_quantity, load_preset
+from jalapeno_emu.cli.app import Abort, App
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="gpt-oss-120b, gpt-oss-20b, deepseek-r1, kimi-k2.5, "
+                   "tiny-gpt-oss, tiny-deepseek, tiny-kimi, or a path to a config.json")
+    p.add_argument("--phase", required=True, choices=("decode", "prefill"))
+    p.add_argument("--batch", type=int, default=1, help="sequences in the step (default 1)")
+    p.add_argument("--context", type=int, help="decode: tokens in each sequence's KV cache, the new "
+                   "one included (default 8192)")
+    p.add_argument("--seq", type=int, help="prefill: prompt tokens per sequence (default 8192)")
+    p.add_argument("--chunk", type=int, default=0, help="prefill: tokens per chunk (0: the whole "
+                   "prompt at once); chunk i attends to the i earlier chunks in the cache")
+    p.add_argument("--preset", default="jalapeno-v1", help="chip preset (default jalapeno-v1)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a chip spec field (repeatable)")
+    p.add_argument("--routing", default="uniform", choices=("uniform", "any"),
+                   help="MoE expert slots: expected distinct experts under uniform routing "
+                        "(default) or enough for any routing")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the launches here")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``layer`` and ``model`` commands."""
+    p = sub.add_parser("layer", help="time one transformer layer as kernel launches (timing-only)")
+    _common(p)
+    p.add_argument("--layer", type=int, default=0, help="layer index (default 0)")
+    p.set_defaults(run=run_layer)
+    p = sub.add_parser("model", help="time a whole model step: every layer, embedding and logits")
+    _common(p)
+    p.set_defaults(run=run_model)
+
+
+def _steps(args: argparse.Namespace) -> list[Any]:
+    """The steps the options describe: one decode step, or the prefill chunks in order."""
+    from jalapeno_emu.model import Step
+
+    if args.phase == "decode":
+        if args.seq is not None or args.chunk:
+            raise Abort("--seq and --chunk are for --phase prefill; decode takes --context")
+        return [Step("decode", batch=args.batch, context=8192 if args.context is None else args.context,
+                     routing=args.routing)]
+    if args.context is not None:
+        raise Abort("--context is for --phase decode; prefill takes --seq (and --chunk)")
+    seq = 8192 if args.seq is None else args.seq
+    chunk = args.chunk or seq
+    if chunk < 1 or seq < 1:
+        raise Abort("--seq and --chunk must be positive")
+    return [Step("prefill", batch=args.batch, seq=min(chunk, seq - p), prior=p, routing=args.routing)
+            for p in range(0, seq, chunk)]
+
+
+def _spec(args: argparse.Namespace):
+    return apply_overrides(load_preset(args.preset), args.overrides)
+
+
+def _us(t: float) -> str:
+    return f"{t * 1e6:,.1f}"
+
+
+def _kernel_table(title: str, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
+    for col, just in (("launch", "left"), ("kernel", "left"), ("time µs", "right"), ("bound", "left"),
+                      ("HBM MB", "right"), ("HBM util", "right"), ("MXU util", "right")):
+        table.add_column(col, justify=just)
+    for k in rows:
+        table.add_row(k["label"], k["kernel"], _us(k["time_s"]), k["bound"], f"{k['hbm_bytes'] / 1e6:,.2f}",
+                      f"{k['hbm_utilization']:.1%}", f"{k['mxu_utilization']:.1%}")
+    return table
+
+
+def run_layer(app: App, args: argparse.Namespace) -> int:
+    """Time one layer for one step (prefill: every chunk, summed)."""
+    from jalapeno_emu.model import load_model_config
+    from jalapeno_emu.model.timing import StepTimer, sum_timings, time_layer, write_layer_trace
+
+    cfg = load_model_config(args.model)
+    spec = _spec(args)
+    timer = StepTimer(spec)
+    steps = _steps(args)
+    app.status(f"{cfg.name} layer {args.layer} {args.phase} on {spec.name}")
+    timed = [time_layer(cfg, args.layer, s, timer=timer) for s in steps]
+    kernels = [k for lt in timed for k in lt.kernels]
+    totals = sum_timings(kernels, spec)
+    doc = {"model": cfg.name, "preset": spec.name, "layer": args.layer, "kind": timed[0].kind,
+           "phase": args.phase, "batch": args.batch,
+           "context": steps[0].context if args.phase == "decode" else None,
+           "seq": sum(s.seq for s in steps) if args.phase == "prefill" else None,
+           "chunks": len(steps), **totals,
+           "kernels": [dict(k.as_dict(), chunk=c) for c, lt in enumerate(timed) for k in lt.kernels]}
+    if args.trace:
+        write_layer_trace(timed, args.trace)
+    if app.json_output:
+        app.emit_json("layer", doc)
+        return 0
+    what = (f"batch {args.batch}, context {doc['context']}" if args.phase == "decode"
+            else f"batch {args.batch}, {doc['seq']} tokens in {len(steps)} chunk(s)")
+    app.console.print(_kernel_table(f"{cfg.name} layer {args.layer} ({doc['kind']}) {args.phase}, {what}, "
+                                    f"on {spec.name}", doc["kernels"]))
+    app.console.print(f"layer: {_us(totals['time_s'])} µs, {totals['bound']}-bound, "
+                      f"{totals['hbm_bytes'] / 1e6:,.1f} MB from HBM at {totals['hbm_utilization']:.1%} of peak "
+                      f"bandwidth, {totals['flops'] / 1e9:,.2f} GFLOP at {totals['mxu_utilization']:.1%} of "
+                      "peak MXFP4")
+    return 0
+
+
+def run_model(app: App, args: argparse.Namespace) -> int:
+    """Time a whole step (prefill: every chunk)."""
+    from jalapeno_emu.model import load_model_config
+    from jalapeno_emu.model.timing import StepTimer, time_model, write_layer_trace
+
+    cfg = load_model_config(args.model)
+    spec = _spec(args)
+    timer = StepTimer(spec)
+    steps = _steps(args)
+    app.status(f"{cfg.name} {args.phase} step on {spec.name}")
+    reports = [time_model(cfg, s, timer=timer) for s in steps]
+    docs = [r.as_dict() for r in reports]
+    last = docs[-1]
+    doc = dict(last)
+    if len(docs) > 1:
+        for key in ("time_s", "time_s_unconstrained", "hbm_bytes", "flops"):
+            doc[key] = None if any(d[key] is None for d in docs) else sum(d[key] for d in docs)
+        doc["seq"] = sum(d["seq"] for d in docs)
+        doc["prior"] = 0
+        doc["chunks"] = docs
+    if args.trace:
+        write_layer_trace([lt for r in reports for lt in (r.head, *(g for _, g in r.groups), r.tail)], args.trace)
+    if app.json_output:
+        app.emit_json("model", doc)
+        return 0
+    table = Table(title=f"{cfg.name} {args.phase} (batch {args.batch}"
+                  + (f", context {last['context']}" if args.phase == "decode" else f", {doc['seq']} tokens, "
+                     f"{len(docs)} chunk(s); table: last chunk") + f") on {spec.name}")
+    for col, just in (("layers", "left"), ("kind", "left"), ("count", "right"), ("µs each", "right"),
+                      ("µs total", "right"), ("bound", "left"), ("HBM util", "right"), ("MXU util", "right")):
+        table.add_column(col, justify=just)
+    for g in [last["head"] | {"layers": ["embed"], "count": 1, "time_s_each": last["head"]["time_s"]}] + last["layers"] + [
+            last["tail"] | {"layers": ["norm+logits"], "count": 1, "time_s_each": last["tail"]["time_s"]}]:
+        idx = g["layers"]
+        label = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]},{idx[1]},...,{idx[-1]}"
+        table.add_row(label, g["kind"], str(g["count"]), _us(g["time_s_each"]), _us(g["time_s_each"] * g["count"]),
+                      g["bound"], f"{g['hbm_utilization']:.1%}", f"{g['mxu_utilization']:.1%}")
+    app.console.print(table)
+    fp = last["footprint"]
+    cap = format_quantity(fp["capacity_bytes"], "B")
+    app.console.print(f"HBM: weights {fp['weight_bytes'] / 1e9:,.1f} GB ({fp['weight_share']:.1%} of {cap}), "
+                      f"KV cache {fp['kv_cache_bytes'] / 1e9:,.2f} GB ({fp['kv_share']:.1%})")
+    if not last["fits_one_die"]:
+        app.console.print(f"[bold yellow]{cfg.name} does not fit one die[/bold yellow]: "
+                          f"{(fp['weight_bytes'] + fp['kv_cache_bytes']) / 1e9:,.1f} GB needed, "
+                          f"{fp['capacity_bytes'] / 1e9:,.1f} GB available; the step time below assumes "
+                          "unlimited HBM (the rack model maps it across chips)")
+    t = doc["time_s_unconstrained"]
+    tokens = args.batch * (1 if args.phase == "decode" else doc["seq"])
+    app.console.print(f"step: {t * 1e3:,.3f} ms ({doc['bound']}-bound), {tokens / t:,.0f} tok/s, "
+                      f"HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; {last['distinct_launches']} distinct launches timed")
+    return 0

@@ -1,0 +1,159 @@
+"""A whole (tiny) model on the emulated die: every launch of the plan runs functionally.
+
+Stage: model. :class:`DieModel` walks the same launch plans the timing path times
+(``model.plan``): for each launch it builds the kernel's Program (cached by kernel and shape),
+hands it its inputs in the kernel's HBM layout (``model.bindings``) and runs the functional pass;
+the outputs feed the next launch. The KV cache of every layer lives in HBM during each launch
+that reads or writes it (``kv-append``/``mla-append`` write the new token, the attention kernels
+read it); between launches the host holds every tensor in natural layout and re-lays it out for
+the next kernel. That relayout is the emulator's bookkeeping, not modelled work: a runtime on the
+chip keeps each tensor where the producing kernel wrote it, and the kernels' layouts are chosen so
+that the consumer reads the producer's output in place (see each kernel's docstring).
+
+Each step also reports its time from the timing pass over the same launches (``StepTimer``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels.base import KernelBuild
+from jalapeno_emu.kernels.registry import get_kernel
+
+from . import bindings
+from .config import ModelConfig
+from .plan import Launch, Step, head_launches, layer_launches, tail_launches
+from .reference import deepseek_rope_tables, rope_tables
+from .timing import LayerTiming, StepTimer, sum_timings
+from .weights import ModelWeights
+
+__all__ = ["DieModel", "StepResult"]
+
+_BF16 = ml_dtypes.bfloat16
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step on the die.
+
+    Attributes:
+        logits: F32 [batch, vocab] (BF16 values) of each sequence's last position.
+        step: what ran.
+        timing: per group (head, each layer, tail) the timing pass's figures for its launches.
+        totals: the step's summed figures (``time_s``, ``hbm_bytes``, ``hbm_utilization``, ...).
+        wall_s: host seconds the functional emulation took.
+    """
+
+    logits: np.ndarray
+    step: Step
+    timing: tuple[LayerTiming, ...]
+    totals: dict[str, Any]
+    wall_s: float
+
+
+class DieModel:
+    """Run a model's prefill and decode steps functionally on the emulated die.
+
+    Args:
+        cfg: the model (a tiny one: every weight is materialised and every launch emulated).
+        weights: from ``init_weights`` (the same the reference model takes).
+        batch: sequences; all advance together (same length).
+        max_positions: the longest sequence the run may reach (prompt plus generated tokens).
+        preset: the chip.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
+                 preset: str | ChipSpec = "jalapeno-v1") -> None:
+        if batch < 1 or max_positions < 1:
+            raise InvalidArgumentError(f"batch {batch} and max_positions {max_positions} must be >= 1")
+        self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
+        self.spec = load_preset(preset) if isinstance(preset, str) else preset
+        self.timer = StepTimer(self.spec)
+        self.length = 0
+        self._builds: dict[tuple[str, tuple], tuple[KernelBuild, dict[str, Any], frozenset[str]]] = {}
+        if cfg.attention == "gqa":
+            shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
+            self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
+            self.v_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
+            self.cos, self.sin = rope_tables(cfg, max_positions)
+        else:
+            shape = (batch, max_positions, cfg.kv_lora_rank + cfg.qk_rope_dim)
+            self.latent = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
+            self.cos, self.sin = deepseek_rope_tables(cfg, max_positions)
+        self.packed = [bindings.pack_layer(cfg, i, lw, self.spec, batch) for i, lw in enumerate(weights.layers)]
+
+    # --- launches -------------------------------------------------------------------------
+    def _build(self, launch: Launch) -> tuple[KernelBuild, dict[str, Any], frozenset[str]]:
+        """The launch's KernelBuild, the constant inputs its program needs (masks, eps, ones) and
+        the names of all its inputs (what its own ``make_inputs`` provides)."""
+        key = (launch.kernel, launch.shape)
+        hit = self._builds.get(key)
+        if hit is None:
+            build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
+            sample = build.make_inputs(0)
+            consts = {k: v for k, v in sample.items() if k in bindings.CONSTANT_INPUTS}
+            hit = (build, consts, frozenset(sample))
+            self._builds[key] = hit
+        return hit
+
+    def run(self, launch: Launch, data: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Run one launch functionally with ``data`` (kernel layout) plus its constants; its
+        outputs by name (the kernel's dtypes and shapes)."""
+        build, consts, needed = self._build(launch)
+        data = {k: v for k, v in data.items() if v is not None}
+        missing = sorted(needed - set(data) - set(consts))
+        if missing:
+            raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): no data bound for {missing}")
+        result = run_functional(build.program, {**consts, **data})
+        return {name: result.read(name, dt, shp) for name, (dt, shp) in build.outputs.items()}
+
+    def tensor_shape(self, launch: Launch, name: str) -> tuple[int, ...]:
+        """The HBM shape the launch's program records for tensor ``name``."""
+        build = self._build(launch)[0]
+        return tuple(dict(dict(build.program.meta)["tensors"])[name][1])
+
+    # --- steps ----------------------------------------------------------------------------
+    def forward(self, ids: np.ndarray) -> StepResult:
+        """Run ``ids`` int [batch, S] as the next S positions (S > 1: one prefill chunk after the
+        cached ``length`` tokens; S == 1: a decode step). Returns logits of the last position."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[0] != self.batch:
+            raise InvalidArgumentError(f"ids must be [batch={self.batch}, S], got {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab:
+            raise InvalidArgumentError(f"token ids must be in [0, {self.cfg.vocab})")
+        s = ids.shape[1]
+        if self.length + s > self.cap:
+            raise InvalidArgumentError(f"{self.length + s} positions exceed max_positions={self.cap}")
+        step = (Step("decode", batch=self.batch, context=self.length + 1, routing="any") if s == 1 else
+                Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        (embed,) = head_launches(cfg, step)
+        x = self.run(embed, {"table": self.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)})["out"]
+        residual = np.zeros_like(x)
+        plans = []
+        for i in range(cfg.layers):
+            plan = layer_launches(cfg, i, step)
+            plans.append(plan)
+            x, residual = bindings.run_layer(self, i, plan, step, x, residual)
+        final_norm, logits_launch = tail_launches(cfg, step)
+        last = np.arange(self.batch) * (step.tokens // self.batch) + (step.tokens // self.batch - 1)
+        y = self.run(final_norm, {"x": x[last], "residual": residual[last],
+                                  "w": self.w.final_norm[None, :]})["y"]
+        logits = self.run(logits_launch, {"x": y, "w": self.w.unembed})["y"]
+        wall = time.perf_counter() - t0
+        self.length += s
+        timing = (self.timer.time_launches(head_launches(cfg, step), layer=-1, kind="head"),
+                  *(self.timer.time_launches(p, layer=i, kind="layer") for i, p in enumerate(plans)),
+                  self.timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail"))
+        totals = sum_timings([k for lt in timing for k in lt.kernels], self.spec)
+        return StepResult(logits=np.asarray(logits, np.float32), step=step, timing=timing, totals=totals,
+                          wall_s=wall)

@@ -1,0 +1,51 @@
+"""The moe kernel's inputs from a layer's natural weights: router panels, packed expert tables.
+
+Stage: model. The packed tables depend on the launch's slice plan (``kernels.moe.plan_moe``,
+which depends on the token count), so they are packed once per distinct launch shape and cached
+on the die model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jalapeno_emu.kernels import moe as moe_kernel
+
+from .plan import Launch
+
+if TYPE_CHECKING:
+    from .die import DieModel
+
+__all__ = ["moe_inputs"]
+
+
+def _router_panels(wr: np.ndarray, plan: Any) -> np.ndarray:
+    """Wr [H, E] -> the kernel's HBM layout: R column panels of E/R columns stacked [R*H, E/R]."""
+    ew = plan.router_cols
+    return np.concatenate([wr[:, r * ew:(r + 1) * ew] for r in range(plan.router_parts)], axis=0)
+
+
+def _table(experts: tuple, plan: Any) -> np.ndarray:
+    return moe_kernel.pack_experts([e.gate for e in experts], [e.up for e in experts],
+                                   [e.down for e in experts], plan)
+
+
+def moe_inputs(die: DieModel, layer: int, launch: Launch, x: np.ndarray) -> dict[str, Any]:
+    """Data for one moe launch of ``layer``: x plus the weights in the kernel's layout."""
+    key = ("moe", launch.shape)
+    cache = die.packed[layer]
+    if key not in cache:
+        lw = die.w.layers[layer]
+        plan = moe_kernel.plan_moe(launch.shape_dict, die.spec)
+        packed: dict[str, Any] = {}
+        if lw.experts:
+            packed["router"] = _router_panels(lw.router, plan)
+            packed["experts"] = _table(lw.experts, plan)
+            if lw.router_bias is not None:
+                packed["router_bias"] = lw.router_bias[None, :]
+        if lw.shared:
+            packed["shared"] = _table(lw.shared, plan)
+        cache[key] = packed
+    return {"x": x, **cache[key]}

@@ -1,0 +1,322 @@
+"""The pure-JAX reference forward pass: textbook math in natural layouts, the chip's MX numerics.
+
+Stage: model. This is what the die's functional run (``model.die``) is checked against. It is
+written from the model definitions (HF ``modeling_gpt_oss`` / ``modeling_deepseek`` semantics),
+not from the kernels' programs or layouts: full-matrix softmax instead of the kernels' online
+softmax, the naive (non-absorbed) MLA form, one matmul per expert over the tokens that chose it.
+What it shares with the die is the *storage* numerics a model on this chip has by definition:
+
+- activations between kernels are BF16 (every kernel rounds its output once to BF16);
+- BF16 x BF16 / BF16 x MX products are exact, sums in FP32 (``inorder_block_matmul``);
+- RoPE in FP32, rotated keys stored as BF16, the query scaled before its BF16 rounding;
+- attention probabilities rounded to BF16 before the P.V product (the matrix unit's operand);
+- expert weights MXFP4, expert inputs and activations quantised to MXFP8 E4M3 (32-blocks along
+  the contraction) before each expert matmul (``mx.matmul``), the routing weight applied to the
+  activation before the down projection, as the chip's MoE kernel defines it.
+
+Where the die differs (summation order across tiles and cores, online-softmax rescaling, the
+absorbed MLA form's extra BF16 rounding of q @ W_UK) the results differ by a few BF16 ulps per
+layer; ``model.die`` documents the tolerance that covers it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jalapeno_emu import mx
+from jalapeno_emu.emu.functional import inorder_block_matmul
+from jalapeno_emu.kernels.attention_ref import yarn_cos_sin
+
+from .config import ModelConfig
+from .plan import mla_softmax_scale
+from .weights import LayerWeights, ModelWeights
+
+__all__ = ["ReferenceModel", "deepseek_rope_tables", "rope_tables", "route"]
+
+SWIGLU_ALPHA = 1.702  # gpt-oss: glu * sigmoid(alpha * glu)
+SWIGLU_LIMIT = 7.0  # gpt-oss swiglu_limit
+_MASKED = -jnp.inf
+
+
+def _f32(x: Any) -> jax.Array:
+    return jnp.asarray(np.asarray(x, np.float32)) if not isinstance(x, jax.Array) else x.astype(jnp.float32)
+
+
+def _bf16(x: jax.Array) -> jax.Array:
+    """Round to BF16 and back: the value a kernel stores."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def rope_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss YaRN tables (cos, sin) F32 [positions, head_dim/2] for ``cfg``'s rope."""
+    return yarn_cos_sin(positions, cfg.head_dim, cfg.rope.as_dict())
+
+
+def deepseek_rope_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3 YaRN tables (cos, sin) F32 [positions, rope_dim/2] (see kernels.cache)."""
+    from jalapeno_emu.kernels.cache import deepseek_yarn_cos_sin
+
+    return deepseek_yarn_cos_sin(positions, cfg.qk_rope_dim, cfg.rope.as_dict())
+
+
+def _matmul(x: jax.Array, w: Any) -> jax.Array:
+    """x (F32 values of BF16) @ w (BF16 array or MXArray): FP32, exact products, in-order sums."""
+    wv = mx.dequantize(w) if isinstance(w, mx.MXArray) else _f32(w)
+    return inorder_block_matmul(x, wv)
+
+
+def _linear(x: jax.Array, w: Any, b: Any | None = None) -> jax.Array:
+    """BF16 output of x @ w (+ b)."""
+    y = _matmul(x, w)
+    if b is not None:
+        y = y + _f32(b)[None, :]
+    return _bf16(y)
+
+
+def _rmsnorm(x: jax.Array, w: Any, eps: float) -> jax.Array:
+    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
+    return _bf16(x * inv * _f32(w))
+
+
+def _rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """gpt-oss rotate-half RoPE on the last axis (FP32): cos/sin broadcast [..., D/2]."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """DeepSeek's rope input permutation: pairs (x[2i], x[2i+1]) -> evens first, then odds."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def _softmax_pv(s: jax.Array, v: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """softmax(s) @ v with masked entries at -inf, an optional sink column (logit only), P rounded
+    to BF16 for the product, normalised after. s [..., Q, N], v [..., N, Dv]."""
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
+    p = jnp.exp(s - m)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        den = den + jnp.exp(sinks - m)
+    return jnp.einsum("...qn,...nd->...qd", _bf16(p), v, precision="highest") / den
+
+
+def _params(lw: LayerWeights) -> dict[str, Any]:
+    """The layer's weights as a pytree of arrays (BF16 as F32 values, MXArrays as they are)."""
+    def conv(v: Any) -> Any:
+        if v is None or isinstance(v, mx.MXArray):
+            return v
+        return _f32(v)
+
+    out: dict[str, Any] = {}
+    for name in ("attn_norm", "ffn_norm", "wo", "wqkv", "bqkv", "bo", "sinks", "wqkv_a", "q_a_norm",
+                 "kv_a_norm", "wq_b", "w_kv_b", "router", "router_bias", "score_bias"):
+        out[name] = conv(getattr(lw, name))
+    keys = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+
+    def stack(experts: tuple) -> dict[str, Any]:
+        # Experts stacked along a new leading axis (MXArrays leaf by leaf) for one lax.scan.
+        if not experts:
+            return {}
+        per = [{k: conv(getattr(ex, k)) for k in keys} for ex in experts]
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *per)
+
+    out["experts"] = stack(lw.experts)
+    out["shared"] = stack(lw.shared)
+    return out
+
+
+def _gqa(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+         cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
+    """Attention of S new tokens per sequence at positions ``pos`` [S] against the whole cache
+    (capacity-sized, masked), writing the new keys/values first. y [B*S, H] -> [B*S, H]."""
+    kc, vc = cache
+    b, s = batch, pos.shape[0]
+    hq, hkv, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    qkv = _linear(y, p["wqkv"], p["bqkv"]).reshape(b, s, hq + 2 * hkv, d)
+    q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+    c, sn = cos[pos][None, :, None, :], sin[pos][None, :, None, :]
+    k = _bf16(_rotate_half(k, c, sn))
+    q = _bf16(_rotate_half(q, c, sn) * jnp.float32(1 / math.sqrt(d)))
+    kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3), (0, 0, pos[0], 0))
+    vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3), (0, 0, pos[0], 0))
+    keys = jnp.arange(kc.shape[2])
+    valid = keys[None, :] <= pos[:, None]
+    if window:
+        valid &= keys[None, :] > pos[:, None] - window
+    g = hq // hkv
+    qg = q.reshape(b, s, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
+    sc = jnp.einsum("bhgsd,bhnd->bhgsn", qg, kc, precision="highest")
+    sc = jnp.where(valid, sc, _MASKED)
+    sinks = p["sinks"].reshape(1, hkv, g, 1, 1) if cfg.sinks else None
+    o = _softmax_pv(sc, vc[:, :, None], sinks)  # [B, Hkv, G, S, D]
+    o = _bf16(o).transpose(0, 3, 1, 2, 4).reshape(b * s, hq * d)
+    return _linear(o, p["wo"], p["bo"]), (kc, vc)
+
+
+def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+         cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
+    """MLA (naive form) of S new tokens per sequence; the latent cache [B, cap, R + rope]."""
+    (lat,) = cache
+    b, s = batch, pos.shape[0]
+    h, nope, rope, r, vd = cfg.q_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    a = _linear(y, p["wqkv_a"])
+    q_a, c_kv, k_pe = a[:, :cfg.q_lora_rank], a[:, cfg.q_lora_rank:cfg.q_lora_rank + r], a[:, -rope:]
+    q = _linear(_rmsnorm(q_a, p["q_a_norm"], cfg.rms_eps), p["wq_b"]).reshape(b, s, h, nope + rope)
+    c_kv = _rmsnorm(c_kv, p["kv_a_norm"], cfg.rms_eps).reshape(b, s, r)
+    c, sn = cos[pos], sin[pos]
+    k_pe = _bf16(_rotate_half(_deinterleave(k_pe.reshape(b, s, rope)), c[None], sn[None]))
+    q_pe = _bf16(_rotate_half(_deinterleave(q[..., nope:]), c[None, :, None], sn[None, :, None]))
+    lat = jax.lax.dynamic_update_slice(lat, jnp.concatenate([c_kv, k_pe], axis=-1), (0, pos[0], 0))
+    wkv = p["w_kv_b"].reshape(h, nope + vd, r)
+    k_nope = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, :nope], precision="highest"))
+    v = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, nope:], precision="highest"))
+    sc = (jnp.einsum("bshd,bhnd->bhsn", q[..., :nope], k_nope, precision="highest")
+          + jnp.einsum("bshd,bnd->bhsn", q_pe, lat[..., r:], precision="highest"))
+    sc = sc * jnp.float32(mla_softmax_scale(cfg))
+    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
+    sc = jnp.where(valid, sc, _MASKED)
+    o = _bf16(_softmax_pv(sc, v, None)).transpose(0, 2, 1, 3).reshape(b * s, h * vd)
+    return _linear(o, p["wo"]), (lat,)
+
+
+def _expert(cfg: ModelConfig, ex: dict, xq: mx.MXArray, weight: jax.Array) -> jax.Array:
+    """weight[T, 1] * expert(x) in the chip's order: act * weight, MXFP8, down, + weight * b2."""
+    gate, up = mx.matmul(xq, ex["gate"]), mx.matmul(xq, ex["up"])
+    if ex["gate_bias"] is not None:
+        gate, up = gate + ex["gate_bias"][None], up + ex["up_bias"][None]
+    if cfg.activation == "swiglu_oai":
+        g = jnp.minimum(gate, jnp.float32(SWIGLU_LIMIT))
+        u = jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+        act = g * jax.nn.sigmoid(g * jnp.float32(SWIGLU_ALPHA)) * (u + jnp.float32(1))
+    else:
+        act = gate * jax.nn.sigmoid(gate) * up
+    out = mx.matmul(mx.quantize(act * weight, "e4m3", axis=1), ex["down"])
+    if ex["down_bias"] is not None:
+        out = out + weight * ex["down_bias"][None]
+    return out
+
+
+def route(cfg: ModelConfig, p: dict, y: jax.Array) -> jax.Array:
+    """Dense routing weights F32 [T, E] (0 for experts a token did not choose), HF semantics:
+    gpt-oss softmax over the top-k (biased) logits; DeepSeek-V3 noaux_tc: sigmoid scores, top-k
+    of score + correction bias within the top ``topk_group`` groups (a group's score: the sum of
+    its two best), weights = chosen unbiased scores normalised (+1e-20) times the scaling factor."""
+    logits = _matmul(y, p["router"])
+    if cfg.router == "softmax_topk":
+        if p["router_bias"] is not None:
+            logits = logits + p["router_bias"][None]
+        vals, ids = jax.lax.top_k(logits, cfg.top_k)
+        w = jax.nn.softmax(vals, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        sel = scores + (p["score_bias"][None] if p["score_bias"] is not None else 0.0)
+        if cfg.n_group > 1:
+            grp = sel.reshape(sel.shape[0], cfg.n_group, -1)
+            top2 = jax.lax.top_k(grp, 2)[0].sum(-1)
+            keep = jax.lax.top_k(top2, cfg.topk_group)[1]
+            gmask = jnp.zeros_like(top2).at[jnp.arange(sel.shape[0])[:, None], keep].set(1.0)
+            sel = jnp.where(jnp.repeat(gmask, cfg.experts // cfg.n_group, axis=1) > 0, sel, -jnp.inf)
+        _, ids = jax.lax.top_k(sel, cfg.top_k)
+        chosen = jnp.take_along_axis(scores, ids, axis=1)
+        w = chosen / (chosen.sum(-1, keepdims=True) + jnp.float32(1e-20)) * jnp.float32(cfg.routed_scaling_factor)
+    dense = jnp.zeros((y.shape[0], cfg.experts), jnp.float32)
+    return dense.at[jnp.arange(y.shape[0])[:, None], ids].add(w)
+
+
+def _experts_sum(cfg: ModelConfig, stacked: dict, xq: mx.MXArray, weights: jax.Array) -> jax.Array:
+    """sum_e weights[:, e] * expert_e(x), experts in index order (one scan: one compiled body)."""
+    def body(acc, item):
+        ex, w = item
+        return acc + _expert(cfg, ex, xq, w[:, None]), None
+
+    acc0 = jnp.zeros((weights.shape[0], cfg.hidden), jnp.float32)
+    out, _ = jax.lax.scan(body, acc0, (stacked, weights.T))
+    return out
+
+
+def _ffn(cfg: ModelConfig, moe: bool, p: dict, y: jax.Array) -> jax.Array:
+    """Routed experts (all of them, in order: a weight of 0 contributes exactly 0) + shared."""
+    xq = mx.quantize(y, "e4m3", axis=1)
+    out = jnp.zeros(y.shape, jnp.float32)
+    if moe:
+        out = _experts_sum(cfg, p["experts"], xq, route(cfg, p, y))
+    shared = p["shared"]
+    n_shared = jax.tree.leaves(shared)[0].shape[0] if jax.tree.leaves(shared) else 0
+    if n_shared:
+        out = out + _experts_sum(cfg, shared, xq, jnp.ones((y.shape[0], n_shared), jnp.float32))
+    return _bf16(out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "moe", "batch"))
+def _layer(cfg: ModelConfig, window: int, moe: bool, batch: int, p: dict, cache: tuple, x: jax.Array,
+           residual: jax.Array, pos: jax.Array, cos: jax.Array, sin: jax.Array):
+    h = _bf16(x + residual)
+    y = _rmsnorm(h, p["attn_norm"], cfg.rms_eps)
+    if cfg.attention == "gqa":
+        attn, cache = _gqa(cfg, window, p, cache, y, pos, cos, sin, batch)
+    else:
+        attn, cache = _mla(cfg, p, cache, y, pos, cos, sin, batch)
+    h2 = _bf16(attn + h)
+    return _ffn(cfg, moe, p, _rmsnorm(h2, p["ffn_norm"], cfg.rms_eps)), h2, cache
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "batch"))
+def _head(eps: float, batch: int, x: jax.Array, residual: jax.Array, norm: jax.Array, unembed: jax.Array):
+    last = _bf16(x + residual).reshape(batch, -1, x.shape[-1])[:, -1]
+    return _linear(_rmsnorm(last, norm, eps), unembed)
+
+
+class ReferenceModel:
+    """The reference forward pass with its own KV caches (natural layouts, jitted per layer).
+
+    Args:
+        cfg: the model (any size; meant for tiny ones).
+        weights: from ``init_weights``.
+        batch: sequences (all advance together: every sequence has the same length).
+        max_positions: cache capacity in tokens (attention runs over the whole capacity, masked,
+            so that one compiled function serves every step).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int) -> None:
+        self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
+        self.length = 0
+        self.params = [_params(lw) for lw in weights.layers]
+        if cfg.attention == "gqa":
+            shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
+            self.cache = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+                          for _ in range(cfg.layers)]
+            self.cos, self.sin = (jnp.asarray(t) for t in rope_tables(cfg, max_positions))
+        else:
+            shape = (batch, max_positions, cfg.kv_lora_rank + cfg.qk_rope_dim)
+            self.cache = [(jnp.zeros(shape, jnp.float32),) for _ in range(cfg.layers)]
+            self.cos, self.sin = (jnp.asarray(t) for t in deepseek_rope_tables(cfg, max_positions))
+        self.embed = np.asarray(weights.embed)
+        self.final_norm, self.unembed = _f32(weights.final_norm), _f32(weights.unembed)
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        """Run ``ids`` int [batch, S] as the next S positions; logits F32 [batch, vocab] of the
+        last position (BF16 values). Updates the caches."""
+        cfg = self.cfg
+        ids = np.asarray(ids)
+        b, s = ids.shape
+        if b != self.batch:
+            raise ValueError(f"ids have batch {b}, the model was set up for {self.batch}")
+        if self.length + s > self.cap:
+            raise ValueError(f"{self.length + s} positions exceed the cache capacity {self.cap}")
+        pos = jnp.arange(self.length, self.length + s)
+        x = _f32(self.embed[ids.reshape(-1)])
+        residual = jnp.zeros_like(x)
+        for i in range(cfg.layers):
+            x, residual, self.cache[i] = _layer(cfg, cfg.window(i), cfg.is_moe(i), b, self.params[i],
+                                                self.cache[i], x, residual, pos, self.cos, self.sin)
+        self.length += s
+        return np.asarray(_head(cfg.rms_eps, b, x, residual, self.final_norm, self.unembed))

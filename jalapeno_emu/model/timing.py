@@ -1,0 +1,284 @@
+"""Per-layer and whole-model step times from the emulator's timing pass (timing-only, any size).
+
+Stage: model. Every launch of a plan (``model.plan``) is built and timed by ``run_timing`` on the
+chip spec, exactly as ``jalapeno-emu kernel NAME --timing-only`` would; kernels run one after the
+other, so a layer's time is the sum of its launches' times (each includes the spec's kernel launch
+cost). Identical launches (same kernel, same shape) are timed once per :class:`StepTimer`, so the
+36 layers of gpt-oss-120b cost two layer timings (sliding and full attention), and a model's
+layers are grouped by identical plans.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.timeline import Timeline
+from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.kernels.registry import get_kernel
+
+from .config import ModelConfig
+from .footprint import Footprint, footprint
+from .plan import Launch, Step, head_launches, layer_launches, tail_launches
+
+__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "sum_timings", "time_layer", "time_model",
+           "write_layer_trace"]
+
+_FIELDS = ("time_s", "hbm_bytes", "flops", "hbm_utilization", "hbm_utilization_of_achievable",
+           "mxu_utilization", "bound", "lower_bound_s", "instructions")
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """One launch's figures from the timing pass.
+
+    Attributes:
+        label, kernel, shape: the launch.
+        time_s: launch cost plus makespan, s. hbm_bytes: bytes read and written in HBM.
+        flops: matrix-unit FLOPs. hbm_utilization: achieved over peak HBM bandwidth;
+        hbm_utilization_of_achievable: over peak times the streaming efficiency.
+        mxu_utilization: achieved over peak MXFP4 FLOP/s. bound: hbm / compute / vector /
+        latency (what the timeline says limits it). lower_bound_s: max of the bytes and FLOPs
+        bounds. instructions: the Program's length.
+    """
+
+    label: str
+    kernel: str
+    shape: dict[str, Any]
+    time_s: float
+    hbm_bytes: int
+    flops: float
+    hbm_utilization: float
+    hbm_utilization_of_achievable: float
+    mxu_utilization: float
+    bound: str
+    lower_bound_s: float
+    instructions: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form (the ``kernels`` entries of ``layer --json``)."""
+        return {"label": self.label, "kernel": self.kernel, "shape": self.shape,
+                **{k: getattr(self, k) for k in _FIELDS}}
+
+
+def sum_timings(kernels: Sequence[KernelTiming], spec: ChipSpec) -> dict[str, Any]:
+    """Sums over launches run back to back, utilisations over the total time, and the bound: the
+    one whose kernels take the largest share of the time."""
+    t = sum(k.time_s for k in kernels)
+    hbm = sum(k.hbm_bytes for k in kernels)
+    flops = sum(k.flops for k in kernels)
+    d = spec.derived()
+    by_bound: dict[str, float] = {}
+    for k in kernels:
+        by_bound[k.bound] = by_bound.get(k.bound, 0.0) + k.time_s
+    return {
+        "time_s": t, "hbm_bytes": hbm, "flops": flops,
+        "hbm_utilization": hbm / t / d["hbm_bytes_per_s"] if t else 0.0,
+        "hbm_utilization_of_achievable": hbm / t / d["hbm_achievable_bytes_per_s"] if t else 0.0,
+        "mxu_utilization": flops / t / d["peak_mxfp4_flops_per_s"] if t else 0.0,
+        "bound": max(by_bound, key=by_bound.get) if by_bound else "latency",
+        "time_by_bound_s": by_bound,
+    }
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One decoder layer (or the head/tail group) of one step.
+
+    Attributes:
+        layer: the layer index (-1: embedding, ``layers``: final norm and logits).
+        kind: a short description (``sliding-128 moe``, ``mla dense``, ``head``, ``tail``).
+        kernels: its launches, in order.
+        totals: ``time_s``, ``hbm_bytes``, ``flops``, ``hbm_utilization``,
+            ``hbm_utilization_of_achievable``, ``mxu_utilization``, ``bound``, ``time_by_bound_s``.
+        timelines: per launch, the Timeline (for traces).
+    """
+
+    layer: int
+    kind: str
+    kernels: tuple[KernelTiming, ...]
+    totals: dict[str, Any]
+    timelines: tuple[Timeline, ...] = field(repr=False, compare=False, default=())
+
+    @property
+    def time_s(self) -> float:
+        """The layer's time, s."""
+        return self.totals["time_s"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form: the totals at top level plus ``kernels``."""
+        return {"layer": self.layer, "kind": self.kind, **self.totals,
+                "kernels": [k.as_dict() for k in self.kernels]}
+
+
+class StepTimer:
+    """Times launches on one chip spec, each distinct (kernel, shape) once.
+
+    Args:
+        spec: the chip (a preset name or a ChipSpec).
+        safety_checks: also run ``check_program`` (races, bounds) on each distinct launch; off by
+            default for full-size timing (the builder still checks legality and capacity, and the
+            timing pass detects deadlocks). The kernels' own tests run the checks.
+    """
+
+    def __init__(self, spec: ChipSpec | str, *, safety_checks: bool = False) -> None:
+        self.spec = load_preset(spec) if isinstance(spec, str) else spec
+        self.safety_checks = safety_checks
+        self._cache: dict[tuple[str, tuple], tuple[dict[str, Any], Timeline]] = {}
+
+    @property
+    def distinct_launches(self) -> int:
+        """How many distinct launches were built and timed so far."""
+        return len(self._cache)
+
+    def time_launch(self, launch: Launch) -> tuple[KernelTiming, Timeline]:
+        """Time one launch (cached by kernel and shape)."""
+        key = (launch.kernel, launch.shape)
+        hit = self._cache.get(key)
+        if hit is None:
+            build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
+            if self.safety_checks:
+                from jalapeno_emu.emu.check import check_program
+
+                check_program(build.program, self.spec)
+            timeline = run_timing(build.program, self.spec)
+            hit = (timeline.summary(), timeline)
+            self._cache[key] = hit
+        s, timeline = hit
+        return KernelTiming(label=launch.label, kernel=launch.kernel, shape=launch.shape_dict,
+                            **{k: s[k] for k in _FIELDS}), timeline
+
+    def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str) -> LayerTiming:
+        """Time launches run back to back as one group."""
+        timed = [self.time_launch(x) for x in launches]
+        kernels = tuple(k for k, _ in timed)
+        return LayerTiming(layer=layer, kind=kind, kernels=kernels, totals=sum_timings(kernels, self.spec),
+                           timelines=tuple(t for _, t in timed))
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    """``full``/``sliding-W`` or ``mla``, then ``moe``/``dense``: what makes layers differ."""
+    attn = "mla" if cfg.attention == "mla" else (f"sliding-{cfg.window(layer)}" if cfg.window(layer) else "full")
+    return f"{attn} {'moe' if cfg.is_moe(layer) else 'dense'}"
+
+
+def time_layer(cfg: ModelConfig, layer: int, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
+               timer: StepTimer | None = None) -> LayerTiming:
+    """Time decoder layer ``layer`` of ``cfg`` for ``step`` on ``spec`` (timing-only).
+
+    Returns:
+        LayerTiming with per-launch figures and totals.
+    """
+    timer = timer or StepTimer(spec)
+    return timer.time_launches(layer_launches(cfg, layer, step), layer=layer, kind=layer_kind(cfg, layer))
+
+
+@dataclass(frozen=True)
+class ModelTiming:
+    """A whole step: embedding, every layer, final norm and logits.
+
+    Attributes:
+        model, preset, step: what was timed.
+        head, tail: embedding; final norm + logits.
+        groups: (layer indices, LayerTiming of the first of them) per distinct layer plan, in
+            order of first appearance (layers of identical shape are timed once).
+        totals: over the whole step (head + every layer + tail).
+        footprint: weights and KV cache against the die's HBM.
+        distinct_launches: kernels actually built and timed.
+    """
+
+    model: str
+    preset: str
+    step: Step
+    head: LayerTiming
+    tail: LayerTiming
+    groups: tuple[tuple[tuple[int, ...], LayerTiming], ...]
+    totals: dict[str, Any]
+    footprint: Footprint
+    distinct_launches: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form. ``time_s`` is the step time when the model fits one die; when it does not,
+        ``time_s`` is null and ``time_s_unconstrained`` gives the sum as if HBM were unlimited."""
+        fits = self.footprint.fits
+        totals = dict(self.totals)
+        totals["time_s_unconstrained"] = totals["time_s"]
+        if not fits:
+            totals["time_s"] = None
+        return {
+            "model": self.model, "preset": self.preset, "phase": self.step.phase, "batch": self.step.batch,
+            "context": self.step.context if self.step.phase == "decode" else None,
+            "seq": self.step.seq if self.step.phase == "prefill" else None,
+            "prior": self.step.prior if self.step.phase == "prefill" else None,
+            **totals, "fits_one_die": fits, "footprint": self.footprint.as_dict(),
+            "layers": [{"layers": list(idx), "count": len(idx), "time_s_each": lt.time_s,
+                        "time_s_total": lt.time_s * len(idx), **lt.as_dict()} for idx, lt in self.groups],
+            "head": self.head.as_dict(), "tail": self.tail.as_dict(),
+            "distinct_launches": self.distinct_launches,
+        }
+
+
+def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
+               timer: StepTimer | None = None) -> ModelTiming:
+    """Time one whole step of ``cfg`` (timing-only): embedding, all layers, final norm, logits.
+
+    Layers with identical launch plans are timed once; the footprint says whether weights and the
+    KV cache (``step.batch`` sequences of ``step.positions`` tokens) fit the die's HBM.
+    """
+    timer = timer or StepTimer(spec)
+    plans: dict[tuple[Launch, ...], list[int]] = {}
+    for layer in range(cfg.layers):
+        plans.setdefault(layer_launches(cfg, layer, step), []).append(layer)
+    groups = tuple((tuple(idx), timer.time_launches(plan, layer=idx[0], kind=layer_kind(cfg, idx[0])))
+                   for plan, idx in plans.items())
+    head = timer.time_launches(head_launches(cfg, step), layer=-1, kind="head")
+    tail = timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail")
+    every = list(head.kernels) + [k for idx, lt in groups for _ in idx for k in lt.kernels] + list(tail.kernels)
+    totals = sum_timings(every, timer.spec)
+    fp = footprint(cfg, timer.spec, batch=step.batch, tokens=step.positions)
+    return ModelTiming(model=cfg.name, preset=timer.spec.name, step=step, head=head, tail=tail, groups=groups,
+                       totals=totals, footprint=fp, distinct_launches=timer.distinct_launches)
+
+
+def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str]) -> None:
+    """Chrome/Perfetto trace of launches run back to back: one process per launch (its engines
+    as threads, times shifted to when the launch starts) and a ``launches`` process with one
+    slice per kernel. Written atomically."""
+    import contextlib
+    import json
+    import tempfile
+
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "launches"}},
+                                    {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
+                                     "args": {"name": "kernels"}}]
+    t0_us = 0.0
+    pid = 1
+    for lt in layers:
+        for k, tl in zip(lt.kernels, lt.timelines, strict=True):
+            name = f"L{lt.layer} {k.label} ({k.kernel})"
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": 0, "ts": t0_us, "dur": k.time_s * 1e6,
+                           "args": {"bound": k.bound, "hbm_bytes": k.hbm_bytes, "flops": k.flops}})
+            trace = tl.to_chrome_trace(chip=pid, counter_bins=64)
+            shift = t0_us + tl.launch_s * 1e6
+            for ev in trace["traceEvents"]:
+                ev = dict(ev)
+                if ev.get("ph") == "M" and ev["name"] == "process_name":
+                    ev["args"] = {"name": name}
+                if "ts" in ev:
+                    ev["ts"] = ev["ts"] + shift
+                events.append(ev)
+            t0_us += k.time_s * 1e6
+            pid += 1
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".json", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

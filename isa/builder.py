@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
 
+from .legality import check_instruction, integer_points
 from .table import DTYPES, TABLE, InstrSpec, Space
 
 __all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Semaphore"]
@@ -125,19 +127,32 @@ class EngineHandle:
         return self._kb._issue(self.engine, row, args, kwargs, _caller_source())
 
     def __getattr__(self, name: str) -> Any:
+        # Only called for names not in the instance: the method is made once per handle and name
+        # and kept in the instance, so later calls find it directly (kernels issue through the
+        # same few methods tens of thousands of times).
         rows = self.__dict__.get("_rows", {})
         if name in rows:
             row = rows[name]
-            return lambda *a, **k: self._kb._issue(self.engine, row, a, k, _caller_source())
-        if name in _UNARY_OPS and "unary" in rows:
-            return lambda dst, src: self._kb._issue(
-                self.engine, rows["unary"], (name, dst, src), {}, _caller_source())
-        if name in _BINARY_OPS and "binary" in rows:
-            return lambda dst, a, b: self._kb._issue(
-                self.engine, rows["binary"], (name, dst, a, b), {}, _caller_source())
-        raise AttributeError(
-            f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
-        )
+
+            def method(*a: Any, **k: Any) -> Instruction:
+                return issue(self.engine, row, a, k, _caller_source())
+        elif name in _UNARY_OPS and "unary" in rows:
+            unary = rows["unary"]
+
+            def method(dst: Tile, src: Tile) -> Instruction:
+                return issue(self.engine, unary, (name, dst, src), _NO_KWARGS, _caller_source())
+        elif name in _BINARY_OPS and "binary" in rows:
+            binary = rows["binary"]
+
+            def method(dst: Tile, a: Tile, b: Tile) -> Instruction:
+                return issue(self.engine, binary, (name, dst, a, b), _NO_KWARGS, _caller_source())
+        else:
+            raise AttributeError(
+                f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
+            )
+        issue = self._kb._issue
+        self.__dict__[name] = method
+        return method
 
     def matmul_mx(self, acc: Tile, a: MXTensor | Tile, b: MXTensor | Tile,
                   mode: str = "accumulate") -> Instruction:
@@ -266,52 +281,65 @@ class KernelBuilder:
 
     def _issue(self, engine: Engine, row: InstrSpec, args: tuple, kwargs: dict,
                source: str) -> Instruction:
-        names, defaults, with_offset = _row_layout(row)
-        if len(args) > len(names):
-            raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
-                                     f"got {len(args)}", engine=str(engine), source=source)
-        values = list(args) + [_MISSING] * (len(names) - len(args))
-        for name, value in kwargs.items():
-            if name not in names:
-                raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}",
-                                         engine=str(engine), source=source)
-            i = names.index(name)
-            if values[i] is not _MISSING:
-                raise IllegalInstruction(f"operand {name!r} given twice", engine=str(engine),
-                                         source=source)
-            values[i] = value
+        layout = _LAYOUTS.get(row.mnemonic)
+        if layout is None or layout.row is not row:
+            layout = _Layout(row)
+        names = layout.names
+        values = args if not kwargs and len(args) == len(names) else \
+            _bind(engine, row, layout, args, kwargs, source)
         ordered = []
-        key_parts = []
-        for name, v, default in zip(names, values, defaults, strict=True):
-            if v is _MISSING:
-                v = default
-                if v is _MISSING:
-                    raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}",
-                                             engine=str(engine), source=source)
+        # The legality key: what the checks read of each operand (see _Layout). None when an
+        # operand is of an unusual type: the instruction is then checked on its own.
+        key: list | None = [engine.core, engine.unit, engine.queue, row.mnemonic]
+        for name, v, default, points in zip(names, values, layout.defaults, layout.points, strict=True):
             cls = type(v)
             if cls is Tile:
-                key_parts.append(_tile_key(v, with_offset))
+                c, r, cl, st, off = v.core, v.rows, v.cols, v.stride, v.offset
+                if key is not None:
+                    if type(c) is type(r) is type(cl) is type(st) is type(off) is int and off <= _U64_MAX:
+                        key.append((id(v.space), c, v.dtype, r, cl, st, off if layout.with_offset else None))
+                    else:
+                        key = None
             else:
+                if v is _MISSING:
+                    v = default
+                    if v is _MISSING:
+                        raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}",
+                                                 engine=str(engine), source=source)
+                    cls = type(v)
                 if cls is Semaphore:
                     v = v.id
+                    cls = type(v)
                 elif cls is MXTensor:
                     raise IllegalInstruction(
                         f"operand {name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
                         engine=str(engine), source=source)
-                key_parts.append(v)
+                if key is not None:
+                    if cls is int and points is not None:
+                        i = bisect_left(points, v)
+                        key.append(2 * i + (i < len(points) and points[i] == v))
+                    elif cls is str or cls is int:
+                        key.append(v)
+                    else:
+                        key.append((cls, v))
             ordered.append((name, v))
         ins = Instruction(row.mnemonic, engine, tuple(ordered), source)
-        # Legality depends on the operands' shapes, dtypes, spaces and cores, not on where tiles
-        # sit (no rule reads an offset; the key keeps it when one does): check each distinct
-        # signature once, as kernels issue the same few shapes thousands of times.
-        key = (engine, row.mnemonic, tuple(key_parts))
-        if key not in self._legal:
-            from .legality import check_instruction  # reads the same table; imported late
-
-            check_instruction(ins, index=len(self._instructions))
-            self._legal.add(key)
+        self._check_legal(ins, key)
         self._instructions.append(ins)
         return ins
+
+    def _check_legal(self, ins: Instruction, key: list | None) -> None:
+        """Check ``ins`` against the table unless an instruction with the same key passed."""
+        if key is not None:
+            try:
+                key = tuple(key)
+                if key in self._legal:
+                    return
+            except TypeError:  # an unhashable operand: the check says what is wrong with it
+                key = None
+        check_instruction(ins, index=len(self._instructions))
+        if key is not None:
+            self._legal.add(key)
 
     def build(self) -> Program:
         """The recorded Program."""
@@ -326,18 +354,54 @@ class KernelBuilder:
 
 
 _MISSING = object()
+_NO_KWARGS: dict[str, Any] = {}
+_U64_MAX = 2**64 - 1
 
 
-@functools.cache
-def _row_layout(row: InstrSpec) -> tuple[tuple[str, ...], tuple[Any, ...], bool]:
-    """Operand names, defaults (_MISSING where required) and whether a rule reads an offset."""
-    names = tuple(op.name for op in row.operands)
-    defaults = tuple(op.default if op.optional else _MISSING for op in row.operands)
-    return names, defaults, row.mnemonic in _OFFSET_RULES
+def _bind(engine: Engine, row: InstrSpec, layout: _Layout, args: tuple, kwargs: dict,
+          source: str) -> list:
+    """Operand values in table order from positional and keyword arguments (_MISSING where absent)."""
+    names = layout.names
+    if len(args) > len(names):
+        raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
+                                 f"got {len(args)}", engine=str(engine), source=source)
+    values = list(args) + [_MISSING] * (len(names) - len(args))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}",
+                                     engine=str(engine), source=source)
+        i = names.index(name)
+        if values[i] is not _MISSING:
+            raise IllegalInstruction(f"operand {name!r} given twice", engine=str(engine),
+                                     source=source)
+        values[i] = value
+    return values
 
 
-_OFFSET_RULES = frozenset(r.mnemonic for r in TABLE if any("offset" in rule for rule in r.rules))
+class _Layout:
+    """What ``_issue`` needs of a table row, worked out once per row.
+
+    Legality (``check_instruction``) reads each operand's kind, each tile's space, core, dtype,
+    shape and stride (the offset only through its field range, unless a rule reads it), and the
+    values of the other operands. So an instruction is checked once per distinct key: the engine,
+    the mnemonic, per tile those fields, and per other operand its value, except for integer
+    operands that the rules only compare with constants (``value >= 1``), which are keyed by their
+    position among those constants (``legality.integer_points``): ``sem.wait``'s value differs on
+    almost every call, its verdict on none. Other values are keyed with their type (``True == 1``
+    but only one of them is a legal count). A tile with a field that is not a plain int (a float,
+    a numpy integer) or an offset beyond its field makes the key None: such an instruction is
+    checked on its own.
+    """
+
+    __slots__ = ("defaults", "names", "points", "row", "with_offset")
+
+    def __init__(self, row: InstrSpec) -> None:
+        self.row = row
+        self.names = tuple(op.name for op in row.operands)
+        self.defaults = tuple(op.default if op.optional else _MISSING for op in row.operands)
+        self.with_offset = any("offset" in rule for rule in row.rules)
+        points = integer_points(row)
+        self.points = tuple(points.get(name) for name in self.names)
 
 
-def _tile_key(t: Tile, with_offset: bool) -> tuple:
-    return (t.space, t.core, t.dtype, t.rows, t.cols, t.stride, t.offset if with_offset else None)
+_LAYOUTS = {row.mnemonic: _Layout(row) for row in TABLE}

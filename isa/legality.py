@@ -23,7 +23,8 @@ from jalapeno_emu.errors import IllegalInstruction
 
 from .table import TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
 
-__all__ = ["ENGINE_UNITS", "canonical", "check_engine", "check_instruction", "check_program", "check_rule"]
+__all__ = ["ENGINE_UNITS", "canonical", "check_engine", "check_instruction", "check_program", "check_rule",
+           "integer_points"]
 
 ENGINE_UNITS = ("dma", "mxu", "vpu", "link")
 """Engine kinds an ``Engine`` may have (the table's ``unit`` may also be "any")."""
@@ -96,6 +97,62 @@ def _compile_rule(rule: str) -> _Rule:
     return compiled
 
 
+# (mnemonic, rule) -> the row whose operands the rule was found to name only (checked once per row).
+_VETTED: dict[tuple[str, str], InstrSpec] = {}
+
+_ORDER_OPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _compared_with_constants_only(tree: ast.AST, name: str) -> bool:
+    """True when every use of ``name`` in ``tree`` is a term of a comparison (``==``, ``<``, ...)
+    whose other terms are all integer constants, e.g. ``value >= 1`` or ``0 <= id < 8``."""
+    uses = sum(isinstance(node, ast.Name) and node.id == name for node in ast.walk(tree))
+    plain = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare) or not all(isinstance(op, _ORDER_OPS) for op in node.ops):
+            continue
+        terms = [node.left, *node.comparators]
+        mine = [t for t in terms if isinstance(t, ast.Name) and t.id == name]
+        others = [t for t in terms if not (isinstance(t, ast.Name) and t.id == name)]
+        if mine and all(isinstance(t, ast.Constant) and type(t.value) is int for t in others):
+            plain += len(mine)
+    return plain == uses
+
+
+def integer_points(spec: InstrSpec) -> dict[str, tuple[int, ...]]:
+    """Where :func:`check_instruction`'s verdict can change along each integer operand of ``spec``.
+
+    For every ``imm`` or ``sem`` operand that the row's rules use only in comparisons with integer
+    constants (``value >= 1``; not in arithmetic, not against another operand): the sorted points
+    made of those constants and the bounds of the operand's binary field. For a plain ``int``
+    value, the verdict depends only on which point it equals or which two points it lies between,
+    so a caller may cache verdicts by that position (the builder does: ``sem.wait``'s value differs
+    on almost every call). Operands used in any other way are left out.
+
+    Returns:
+        operand name -> sorted tuple of points.
+    """
+    trees = [_compile_tree(rule) for rule in spec.rules]
+    out: dict[str, tuple[int, ...]] = {}
+    for op in spec.operands:
+        if op.kind not in ("imm", "sem"):
+            continue
+        if not all(_compared_with_constants_only(tree, op.name) for tree in trees):
+            continue
+        points = set(_I64 if op.kind == "imm" else (0, _U32_MAX))
+        for tree in trees:
+            points.update(node.value for node in ast.walk(tree)
+                          if isinstance(node, ast.Constant) and type(node.value) is int)
+        out[op.name] = tuple(sorted(points))
+    return out
+
+
+def _compile_tree(rule: str) -> ast.Expression:
+    """The vetted syntax tree of ``rule``."""
+    _compile_rule(rule)  # vets it
+    return ast.parse(rule, mode="eval")
+
+
 def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -116,10 +173,12 @@ def check_rule(spec: InstrSpec, rule: str, env: dict[str, Any]) -> str | None:
         ValueError: the rule itself is malformed (a bug in the table, not in the program).
     """
     compiled = _compile_rule(rule)
-    allowed = {op.name for op in spec.operands} | {"core"}
-    unknown = compiled.names - allowed
-    if unknown:
-        raise ValueError(f"{spec.mnemonic} rule {rule!r} names {sorted(unknown)}, which are not operands")
+    if _VETTED.get((spec.mnemonic, rule)) is not spec:
+        allowed = {op.name for op in spec.operands} | {"core"}
+        unknown = compiled.names - allowed
+        if unknown:
+            raise ValueError(f"{spec.mnemonic} rule {rule!r} names {sorted(unknown)}, which are not operands")
+        _VETTED[(spec.mnemonic, rule)] = spec
     try:
         ok = bool(eval(compiled.code, {"__builtins__": {}}, env))  # vetted AST: no calls, no builtins
         problem = None

@@ -66,7 +66,11 @@ def parse_engine(text: str) -> Engine:
     return Engine(core, m.group(4) or m.group(5), 0)
 
 
-@dataclass(frozen=True)
+_BITS: dict[str, int] = {name: d.bits for name, d in DTYPES.items()}
+_set = object.__setattr__  # frozen dataclasses assign their fields this way
+
+
+@dataclass(frozen=True, init=False)
 class Tile:
     """A 2-D strided view of memory.
 
@@ -77,6 +81,10 @@ class Tile:
         dtype: a name from ``isa.table.DTYPES``.
         rows, cols: shape in elements.
         stride: bytes from one row to the next (defaults to the packed row size).
+
+    Raises:
+        IllegalInstruction: unknown dtype, non-positive shape, rows that are not whole bytes,
+            negative offset, or a stride smaller than a row.
     """
 
     space: Space
@@ -87,21 +95,33 @@ class Tile:
     cols: int
     stride: int = -1
 
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise IllegalInstruction(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
-        if self.rows <= 0 or self.cols <= 0:
-            raise IllegalInstruction(f"tile shape [{self.rows},{self.cols}] must be positive")
-        if (self.cols * DTYPES[self.dtype].bits) % 8:
-            raise IllegalInstruction(f"a {self.dtype} row of {self.cols} elements is not whole bytes")
-        if self.stride < 0:
-            object.__setattr__(self, "stride", self.row_bytes)
-        if self.offset < 0:
-            raise IllegalInstruction(f"tile offset {self.offset} is negative")
-        if self.rows > 1 and self.stride < self.row_bytes:
+    def __init__(self, space: Space, core: int, offset: int, dtype: str, rows: int, cols: int,
+                 stride: int = -1) -> None:
+        # Written out rather than generated: kernels create tens of thousands of tiles, and the
+        # generated __init__ plus a __post_init__ reading the fields back cost twice as much.
+        bits = _BITS.get(dtype)
+        if bits is None:
+            raise IllegalInstruction(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        if rows <= 0 or cols <= 0:
+            raise IllegalInstruction(f"tile shape [{rows},{cols}] must be positive")
+        if (cols * bits) % 8:
+            raise IllegalInstruction(f"a {dtype} row of {cols} elements is not whole bytes")
+        row_bytes = cols * bits // 8
+        if stride < 0:
+            stride = row_bytes
+        if offset < 0:
+            raise IllegalInstruction(f"tile offset {offset} is negative")
+        if rows > 1 and stride < row_bytes:
             raise IllegalInstruction(
-                f"row stride {self.stride} B is smaller than a row ({self.row_bytes} B): rows overlap"
+                f"row stride {stride} B is smaller than a row ({row_bytes} B): rows overlap"
             )
+        _set(self, "space", space)
+        _set(self, "core", core)
+        _set(self, "offset", offset)
+        _set(self, "dtype", dtype)
+        _set(self, "rows", rows)
+        _set(self, "cols", cols)
+        _set(self, "stride", stride)
 
     @property
     def dt(self) -> DType:
@@ -140,15 +160,16 @@ class Tile:
 
     def sub(self, row: int, col: int, rows: int, cols: int) -> Tile:
         """The [rows, cols] sub-tile starting at element [row, col] (same stride)."""
-        bits = DTYPES[self.dtype].bits
         if row < 0 or col < 0 or row + rows > self.rows or col + cols > self.cols:
             raise IllegalInstruction(
                 f"sub-tile [{row}:{row + rows}, {col}:{col + cols}] is outside [{self.rows},{self.cols}]"
             )
+        bits = _BITS[self.dtype]
         if (col * bits) % 8:
             raise IllegalInstruction(f"column {col} of a {self.dtype} tile is not byte aligned")
-        return Tile(self.space, self.core, self.offset + row * self.stride + col * bits // 8,
-                    self.dtype, rows, cols, self.stride)
+        stride = self.stride
+        return Tile(self.space, self.core, self.offset + row * stride + col * bits // 8,
+                    self.dtype, rows, cols, stride)
 
     def __str__(self) -> str:
         where = "hbm" if self.space is Space.HBM else f"{self.space.value}[{self.core}]"

@@ -17,3 +17,50 @@ def test_an_illegal_instruction_is_caught_even_after_legal_ones_of_the_same_kind
         kb.core(0).vpu.add(a, a, c)  # differs only in a shape: checked, and refused
     with pytest.raises(IllegalInstruction):
         kb.core(1).vpu.add(a, a, b)  # same operands, another core's engine: refused
+
+
+def test_integer_operands_are_cached_by_their_side_of_every_rule_constant():
+    kb = KernelBuilder("k", chip="tiny")
+    done = kb.semaphore("done")
+    vpu = kb.core(0).vpu
+    for value in range(1, 50):  # one legality check for all of them
+        vpu.wait(done, value)
+    with pytest.raises(IllegalInstruction, match="value >= 1"):
+        vpu.wait(done, 0)
+    with pytest.raises(IllegalInstruction, match="value >= 1"):
+        vpu.wait(done, -3)
+    with pytest.raises(IllegalInstruction, match="signed 64-bit"):
+        vpu.wait(done, 2**63)
+    vpu.signal(done, 1)
+    with pytest.raises(IllegalInstruction, match="must be an integer"):
+        vpu.signal(done, True)  # equal to 1 and hashes like it, but not an integer operand
+    with pytest.raises(IllegalInstruction, match="must be an integer"):
+        vpu.signal(done, 1.0)
+    assert len(kb.build().instructions) == 50
+
+
+def test_tiles_with_non_integer_fields_or_huge_offsets_are_checked_on_their_own():
+    from jalapeno_emu.emu.program import Tile
+    from jalapeno_emu.isa.table import Space
+
+    kb = KernelBuilder("k", chip="tiny")
+    dst = kb.sram(0, "dst", (2, 64), "f32")
+    dma = kb.core(0).dma[0]
+    dma.load(dst, Tile(Space.HBM, 0, 4096, "f32", 2, 64))
+    with pytest.raises(IllegalInstruction, match="offset"):
+        dma.load(dst, Tile(Space.HBM, 0, 2**64, "f32", 2, 64))  # same shape, offset beyond its field
+    with pytest.raises(IllegalInstruction, match="rows"):
+        dma.load(dst, Tile(Space.HBM, 0, 4096, "f32", 2.0, 64))  # == 2, but not an integer
+
+
+def test_integer_points_cover_the_rule_constants_and_field_bounds():
+    from jalapeno_emu.isa.legality import integer_points
+    from jalapeno_emu.isa.table import InstrSpec, OperandSpec, by_mnemonic
+
+    points = integer_points(by_mnemonic("sem.wait"))
+    assert points["value"] == (-(2**63), 0, 1, 2**63 - 1)
+    assert points["sem"] == (0, 1, 2**32 - 1)
+    row = InstrSpec("x.y", 0xFF, "any", (OperandSpec("a", "imm"), OperandSpec("b", "imm"),
+                                        OperandSpec("c", "imm")), "sync", "",
+                    rules=("a <= b", "c - 1 >= 0", "b >= 0"))
+    assert integer_points(row) == {}  # compared with another operand, or in arithmetic: exact values

@@ -33,10 +33,16 @@ an index the device computes:
    slice c of every partial (``dma.copy``, in rounds of up to 16 partials when they do not fit
    at once), adds them in core order and stores y[:, slice c].
 
-Weights are double- to quadruple-buffered per core (as the scratchpad allows); the matrix unit
-runs gate|up of item i+1 while the vector unit computes item i's activation. The slice width is
-chosen from a small cost model (bytes over the core's share of HBM vs matrix-unit steps vs
-vector work, per item, times items on the busiest core), penalised beyond 32 items per core to
+**Dense FFN** (``experts=0``, ``shared_experts >= 1``: DeepSeek-R1's first three layers, Kimi's
+first): no router, no routing, no gathers; the items are the shared experts' slices, and the HBM
+bytes are the shared weights, x (once per working core) and y.
+
+Weights are double- to quadruple-buffered per core (as the scratchpad allows), two loads in
+flight (loads in flight share HBM fairly, so fewer of them land the first item's weights sooner);
+the matrix unit runs gate|up of item i+1 while the vector unit computes item i's activation.
+The slice width is chosen from a small cost model (bytes over the core's share of HBM vs
+matrix-unit steps vs vector work, per item, times items on the busiest core, plus the pipeline
+fill), penalised beyond 32 items per core to
 keep the program small; ``slice=N`` overrides it. Two scratchpad regions are reused over time
 (x/router panel, then the reduction buffers; weight buffers, then the partial), so one core
 holds DeepSeek's 64-token step.
@@ -112,7 +118,10 @@ _SRAM_SHARE = 0.95  # leave a little scratchpad spare
 # program, and the checker's work, which grows faster than linearly with it, stay small enough to
 # build, check and time a full-size layer in seconds to tens of seconds.
 _MAX_ITEMS_PER_CORE = 32
-_REDUCE_GROUP = 16  # partials pulled per round of the cross-core reduction (bounds its buffer)
+_REDUCE_GROUP = 16
+# Weight loads in flight per core: two keep the DMA latency hidden, and the first item's weights
+# land after two chunks' share of HBM instead of nbuf (loads in flight share bandwidth fairly).
+_LOOKAHEAD = 2  # partials pulled per round of the cross-core reduction (bounds its buffer)
 
 
 def expected_distinct_experts(experts: int, top_k: int, tokens: int) -> float:
@@ -176,18 +185,20 @@ def _slices(i: int, w: int) -> tuple[tuple[int, int], ...]:
 
 
 def _sram_bytes(t: int, h: int, e: int, k: int, d: int, w: int, nbuf: int, cores: int, ew: int,
-                act_fmt: str) -> int:
-    """Scratchpad bytes one core needs (the builder's allocations, 64-byte alignment aside)."""
+                act_fmt: str, group: int = _REDUCE_GROUP) -> int:
+    """Scratchpad bytes one core needs (the builder's allocations, 64-byte alignment aside);
+    ``group``: partials per reduction round."""
     act_b = {"fp8e4": 1.0, "fp4": 0.5, "bf16": 2.0}[act_fmt]
     scales = 0 if act_fmt == "bf16" else 1 / 32
     hk = -(-h // cores)
     d_max = min(e, t * k)
     return int(
         max(2 * t * h + 2 * h * ew + 4 * t * ew,  # x and router panel | reduction buffers
-            4 * min(cores, _REDUCE_GROUP) * t * hk + 6 * t * hk)
+            4 * min(cores, group) * t * hk + 6 * t * hk)
         + max(nbuf * _chunk_bytes(h, w), 4 * t * h)  # weight buffers | partial
         + (t * h * (act_b + scales) if act_fmt != "bf16" else 2 * t * h)  # xq
-        + 4 * t * e + 2 * e + 4 * w + 12 * t * k + 4 * t + 4 * d_max + 4 * d_max * t  # routing
+        + ((4 * t * e + 2 * e + 12 * t * k + 4 * t + 4 * d_max + 4 * d_max * t) if e else 0)  # routing
+        + 4 * w  # ones
         + 4 * t * 2 * w + 4 * t * w + 2 * t * w * (act_b + scales)  # gu, temp, aq x2
         + 64 * 40)  # alignment slack
 
@@ -196,13 +207,16 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
     """Validate ``shape`` and choose the split; InvalidArgumentError naming the key otherwise."""
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     s, act_fmt = shape["shared_experts"], shape["act_fmt"]
-    for name in ("tokens", "hidden", "intermediate", "experts"):
+    for name in ("tokens", "hidden", "intermediate"):
         if shape[name] < 1:
             raise InvalidArgumentError(f"shape key {name}={shape[name]} must be >= 1")
-    if not 1 <= k <= e:
-        raise InvalidArgumentError(f"shape key top_k={k} must be in [1, experts={e}]")
     if s < 0:
         raise InvalidArgumentError(f"shape key shared_experts={s} must be >= 0")
+    if e < 0 or (e == 0 and s < 1):
+        raise InvalidArgumentError(f"shape key experts={e} must be >= 1, or 0 (a dense FFN) with "
+                                   f"shared_experts >= 1 (got shared_experts={s})")
+    if e and not 1 <= k <= e:
+        raise InvalidArgumentError(f"shape key top_k={k} must be in [1, experts={e}]")
     for name in ("hidden", "intermediate"):  # MXFP4 blocks of 32 along both contraction axes
         if shape[name] % 32:
             raise InvalidArgumentError(f"shape key {name}={shape[name]} must be a multiple of 32 "
@@ -212,10 +226,13 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
             f"shape key routed_scaling_factor={shape['routed_scaling_factor']} must be positive")
     d_max = min(e, t * k)
     d = shape["distinct_experts"]
-    if d == 0:
+    if e == 0 and d:
+        raise InvalidArgumentError(f"shape key distinct_experts={d} must be 0 when experts=0 (a dense "
+                                   "FFN has no routed experts)")
+    if d == 0 and e:
         d = d_max if shape["routing"] == "any" else min(d_max, math.ceil(
             expected_distinct_experts(e, k, t) - 1e-9))
-    if not k <= d <= d_max:
+    if e and not k <= d <= d_max:
         raise InvalidArgumentError(
             f"shape key distinct_experts={d} must be in [top_k={k}, min(experts, tokens*top_k)={d_max}]"
             " (0: from routing)")
@@ -225,8 +242,8 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
                                    f"intermediate={i} (0: automatic)")
     cores_avail = spec.core.count
     # Router panels: R producers, each E/R columns (R divides E, at most one per 32 columns).
-    r_parts = max(r for r in range(1, min(cores_avail, max(1, e // 32)) + 1) if e % r == 0)
-    ew = e // r_parts
+    r_parts = max(r for r in range(1, min(cores_avail, max(1, e // 32)) + 1) if e % r == 0) if e else 0
+    ew = e // r_parts if e else 0
     acc_cap, sram_cap = spec.sram.accumulator_bytes, int(spec.sram.scratchpad_bytes * _SRAM_SHARE)
 
     def cost(w: int, nbuf: int) -> float:
@@ -244,9 +261,14 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
         steps = mt * (-(-2 * w // spec.matrix.tile_n) * h // 32 + -(-h // spec.matrix.tile_n) * w // 32)
         mxu = (steps * tile / macs + 2 * spec.matrix.pipeline_depth_cycles) / spec.core.clock_hz
         vec = 14 * (spec.vector.issue_overhead_cycles + t * w / spec.vector.lanes) / spec.core.clock_hz
-        load = _chunk_bytes(h, w) / hbm_rate + spec.dma.setup_latency_s + spec.hbm.latency_s
-        item = max(load, mxu, vec) if nbuf > 2 else load + max(mxu, vec)
-        return per_core * item
+        latency = spec.dma.setup_latency_s + spec.hbm.latency_s
+        load = _chunk_bytes(h, w) / hbm_rate
+        # With more than two buffers the loads stream back to back (latency hidden behind the
+        # load in flight); with two a load waits for the previous item's matmuls.
+        item = max(load, mxu, vec) if nbuf > 2 else load + latency + max(mxu, vec)
+        # Pipeline fill: x and the first two chunks share the core's bandwidth before any matmul.
+        fill = latency + (2 * t * h + _LOOKAHEAD * _chunk_bytes(h, w)) / hbm_rate
+        return per_core * item + fill
 
     candidates = [w_key] if w_key else list(range(32, min(i, 1024) + 1, 32))
 
@@ -285,9 +307,8 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
         tuple((False, u, j) for u in range(d) for j in range(len(slices)))
     bounds = np.linspace(0, h, cores + 1).round().astype(int).tolist()
     red = tuple((bounds[c], bounds[c + 1] - bounds[c]) for c in range(cores))
-    hk_max = max(wd for _, wd in red)
-    # One reduction round when all partial slices fit where x and the router panel were (free).
-    group = cores if 4 * cores * t * hk_max + 6 * t * hk_max <= 2 * t * h + 2 * h * ew else \
+    # One reduction round when every partial slice fits beside the rest (rounds wait for each other).
+    group = cores if _sram_bytes(t, h, e, k, d, w, nbuf, cores, ew, act_fmt, cores) <= sram_cap else \
         min(cores, _REDUCE_GROUP)
     return MoePlan(t, h, i, e, k, s, d, slices, tuple(offs[:-1]), offs[-1], items, cores, r_parts, ew,
                    red, group, nbuf)
@@ -411,9 +432,11 @@ def moe_reference(inputs: dict[str, Any], plan: MoePlan, shape: dict[str, Any]) 
     "expert_ids": int32 [D, 1]}."""
     act_fmt, activation = shape["act_fmt"], shape["activation"]
     x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
-    ids, w = _route(x, inputs, plan, shape)
-    slots, slot_w = _group(ids, w, plan.d)
-    routed = unpack_experts(inputs["experts"], plan)
+    slots, slot_w, routed = np.zeros(0, np.int32), np.zeros((0, plan.t), np.float32), []
+    if plan.e:
+        ids, w = _route(x, inputs, plan, shape)
+        slots, slot_w = _group(ids, w, plan.d)
+        routed = unpack_experts(inputs["experts"], plan)
     shared = unpack_experts(inputs["shared"], plan) if plan.s else []
 
     def quant(v):
@@ -502,40 +525,83 @@ def _alloc_core(kb: KernelBuilder, c: int, p: MoePlan, act_fmt: str) -> dict[str
     d_max = min(e, t * k)
     hk_max = max(w for _, w in p.red)
     chunk = _chunk_bytes(h, smax)
+    router = [("wr", "bf16", (h, p.router_cols)), ("logits_part", "f32", (t, p.router_cols))] if e else []
     B: dict[str, Any] = _union(
-        kb, c, "x_then_red",
-        [("x", "bf16", (t, h)), ("wr", "bf16", (h, p.router_cols)),
-         ("logits_part", "f32", (t, p.router_cols))],
+        kb, c, "x_then_red", [("x", "bf16", (t, h)), *router],
         [("red", "f32", (p.group * t, hk_max)), ("ysum", "f32", (t, hk_max)), ("ybuf", "bf16", (t, hk_max))])
     B.update(_union(kb, c, "weights_then_partial", [(f"w{b}", "u8", (1, chunk)) for b in range(p.nbuf)],
                     [("partial", "f32", (t, h))]))
     B["wbuf"] = [B.pop(f"w{b}") for b in range(p.nbuf)]
+    if e:
+        B.update({
+            "logits": kb.sram(c, "logits", (t, e), "f32"),
+            "bias": kb.sram(c, "bias", (1, e), "bf16"),
+            "vals": kb.sram(c, "vals", (t, k), "f32"),
+            "idx": kb.sram(c, "idx", (t, k), "i32"),
+            "gw": kb.sram(c, "gw", (t, k), "f32"),
+            "col": kb.sram(c, "col", (t, 1), "f32"),
+            "slot_ids": kb.sram(c, "slot_ids", (d_max, 1), "i32").sub(0, 0, p.d, 1),
+            "slot_w": kb.sram(c, "slot_w", (d_max, t), "f32").sub(0, 0, p.d, t),
+        })
     B.update({
-        "logits": kb.sram(c, "logits", (t, e), "f32"),
-        "bias": kb.sram(c, "bias", (1, e), "bf16"),
         "ones": kb.sram(c, "ones", (1, smax), "f32"),
-        "vals": kb.sram(c, "vals", (t, k), "f32"),
-        "idx": kb.sram(c, "idx", (t, k), "i32"),
-        "gw": kb.sram(c, "gw", (t, k), "f32"),
-        "col": kb.sram(c, "col", (t, 1), "f32"),
-        "slot_ids": kb.sram(c, "slot_ids", (d_max, 1), "i32").sub(0, 0, p.d, 1),
-        "slot_w": kb.sram(c, "slot_w", (d_max, t), "f32").sub(0, 0, p.d, t),
         "xq": kb.sram(c, "xq16", (t, h), "bf16") if act_fmt == "bf16"
         else kb.sram_mx(c, "xq", (t, h), act_fmt, axis=1),
         "gu": kb.sram(c, "gu", (t, 2 * smax), "f32"),
         "tmp": kb.sram(c, "tmp", (t, smax), "f32"),
         "aq": [kb.sram(c, f"aq{b}", (t, smax), "bf16") if act_fmt == "bf16"
                else kb.sram_mx(c, f"aq{b}", (t, smax), act_fmt, axis=1) for b in range(2)],
-        "acc_r": kb.acc(c, "acc_r", (t, p.router_cols)),
         "acc_gu": [kb.acc(c, f"acc_gu{b}", (t, 2 * smax)) for b in range(2)],
         "acc_out": kb.acc(c, "acc_out", (t, h)),
     })
+    if e:
+        B["acc_r"] = kb.acc(c, "acc_r", (t, p.router_cols))
     if act_fmt == "bf16":
         B["xq"] = B["x"]  # the matrix unit takes x as it is (xq16 keeps the layout uniform)
     B["sem"] = {n: kb.semaphore(f"c{c}.{n}") for n in (
         "x_loaded", "consts", "wr_loaded", "r_done", "pulled", "xq_ready", "routed", "loaded",
         "gu_done", "gu_read", "act_ready", "freed", "red_loaded0", "red_loaded1", "red_free", "y_ready")}
     return B
+
+
+def _route_on_core(kb: KernelBuilder, c: int, B: dict[str, Any], bufs: dict[int, dict[str, Any]],
+                   p: MoePlan, shape: dict[str, Any], bias_h: Tile | None, ids_h: Tile,
+                   logits_ready: Any) -> None:
+    """Core ``c`` pulls the R logit panels and routes every token: top-k, gating, vec.group into
+    the slot tables (``slot_ids`` [D, 1], ``slot_w`` [D, T]); core 0 also stores the slot ids."""
+    t = p.t
+    core, sem, v = kb.core(c), B["sem"], kb.core(c).vpu
+    q1 = core.dma[1 % kb.chip.dma.queues_per_core]
+    logits, vals, idx, gw, col = (B[n] for n in ("logits", "vals", "idx", "gw", "col"))
+    slot_ids, slot_w = B["slot_ids"], B["slot_w"]
+    if bias_h is not None:
+        q1.load(B["bias"], bias_h)
+    q1.signal(sem["consts"])
+    q1.wait(logits_ready, p.router_parts)
+    for r in range(p.router_parts):
+        q1.copy(logits.sub(0, r * p.router_cols, t, p.router_cols), bufs[r]["logits_part"])
+    q1.signal(sem["pulled"])
+    v.wait(sem["consts"], 1)
+    v.wait(sem["pulled"], 1)
+    if shape["router"] == "softmax_topk":
+        v.add(logits, logits, B["bias"])
+        v.topk(vals, idx, logits)
+        v.copy(col, vals.sub(0, 0, t, 1))
+        v.sub(gw, vals, col)
+        v.exp(gw, gw)
+    else:
+        v.topk(vals, idx, logits)
+        v.sigmoid(gw, vals)
+    v.reduce("sum", col, gw)
+    v.recip(col, col)
+    v.mul(gw, gw, col)
+    if shape["router"] == "sigmoid_topk":
+        v.scale(gw, gw, shape["routed_scaling_factor"])
+    v.group(slot_ids, slot_w, idx, gw)
+    v.signal(sem["routed"])
+    if c == 0:
+        q1.wait(sem["routed"], 1)
+        q1.store(ids_h, slot_ids)
 
 
 def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
@@ -546,13 +612,13 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     smax, nq = p.slice_max, spec.dma.queues_per_core
     kb = KernelBuilder(f"moe_t{t}_h{h}_i{p.i}_e{e}_k{k}_d{p.d}", chip=spec)
     x_h = kb.hbm("x", (t, h), "bf16")
-    wr_h = kb.hbm("router", (p.router_parts * h, p.router_cols), "bf16")
-    bias_h = kb.hbm("router_bias", (1, e), "bf16") if router == "softmax_topk" else None
+    wr_h = kb.hbm("router", (p.router_parts * h, p.router_cols), "bf16") if e else None
+    bias_h = kb.hbm("router_bias", (1, e), "bf16") if e and router == "softmax_topk" else None
     ones_h = kb.hbm("ones", (1, smax), "f32") if activation == "swiglu_oai" else None
-    exp_h = kb.hbm("experts", (e, p.expert_bytes), "u8")
+    exp_h = kb.hbm("experts", (e, p.expert_bytes), "u8") if e else None
     sh_h = kb.hbm("shared", (p.s, p.expert_bytes), "u8") if p.s else None
     y_h = kb.hbm("y", (t, h), "bf16")
-    ids_h = kb.hbm("expert_ids", (p.d, 1), "i32")
+    ids_h = kb.hbm("expert_ids", (p.d, 1), "i32") if e else None
     logits_ready = kb.semaphore("logits_ready")
     partials_ready = kb.semaphore("partials_ready")
     workers, producers = range(p.cores), range(p.router_parts)
@@ -587,39 +653,14 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             v.wait(sem["r_done"], 1)
             v.acc_read(B["logits_part"], B["acc_r"])
             v.signal(logits_ready)
-        # --- routing, redundantly on every working core ---
-        logits, vals, idx, gw, col = (B[n] for n in ("logits", "vals", "idx", "gw", "col"))
-        slot_ids, slot_w = B["slot_ids"], B["slot_w"]
-        if bias_h is not None:
-            q1.load(B["bias"], bias_h)
         if ones_h is not None:
             q1.load(B["ones"], ones_h)
-        q1.signal(sem["consts"])
-        q1.wait(logits_ready, p.router_parts)
-        for r in producers:
-            q1.copy(logits.sub(0, r * p.router_cols, t, p.router_cols), bufs[r]["logits_part"])
-        q1.signal(sem["pulled"])
-        v.wait(sem["consts"], 1)
-        v.wait(sem["pulled"], 1)
-        if router == "softmax_topk":
-            v.add(logits, logits, B["bias"])
-            v.topk(vals, idx, logits)
-            v.copy(col, vals.sub(0, 0, t, 1))
-            v.sub(gw, vals, col)
-            v.exp(gw, gw)
+        if e:
+            _route_on_core(kb, c, B, bufs, p, shape, bias_h, ids_h, logits_ready)
         else:
-            v.topk(vals, idx, logits)
-            v.sigmoid(gw, vals)
-        v.reduce("sum", col, gw)
-        v.recip(col, col)
-        v.mul(gw, gw, col)
-        if router == "sigmoid_topk":
-            v.scale(gw, gw, shape["routed_scaling_factor"])
-        v.group(slot_ids, slot_w, idx, gw)
-        v.signal(sem["routed"])
-        if c == 0:
-            q1.wait(sem["routed"], 1)
-            q1.store(ids_h, slot_ids)
+            q1.signal(sem["consts"])
+            v.wait(sem["consts"], 1)
+        slot_ids, slot_w = B.get("slot_ids"), B.get("slot_w")
         # --- expert items: weights in (dma0), gate|up and down (mxu), activation (vpu) ---
         wbuf, acc_gu, acc_out, gu, tmp, aq = (B[n] for n in ("wbuf", "acc_gu", "acc_out", "gu", "tmp", "aq"))
         routed_waited = False
@@ -629,6 +670,8 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             dst = wbuf[n % p.nbuf].sub(0, 0, 1, chunk)
             if n >= p.nbuf:  # the buffer's previous item must be done on the matrix unit
                 q0.wait(sem["freed"], n - p.nbuf + 1)
+            if n >= _LOOKAHEAD:
+                q0.wait(sem["loaded"], n - _LOOKAHEAD + 1)
             if is_shared:
                 q0.load(dst, Tile(Space.HBM, 0, sh_h.offset + slot * p.expert_bytes + p.chunk_off[j],
                                   "u8", 1, chunk))
@@ -734,7 +777,7 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         queues[0].wait(sem["y_ready"], 1)
         queues[0].store(y_h.sub(0, h0, t, hk), ybuf)
 
-    expected = expected_distinct_experts(e, k, t)
+    expected = expected_distinct_experts(e, k, t) if e else 0.0
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -751,7 +794,9 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                              axis=0) for _ in range(n)]
             return pack_experts(g, u, d, p)
 
-        out = {"x": x, "router": _router_panels(wr, p), "experts": experts(e)}
+        out = {"x": x}
+        if e:
+            out.update(router=_router_panels(wr, p), experts=experts(e))
         if bias_h is not None:
             out["router_bias"] = (0.5 * rng.standard_normal((1, e))).astype(bf)
         if ones_h is not None:
@@ -788,8 +833,8 @@ MOE = register(KernelDef(
                  minimum=32),
         ShapeKey("intermediate", int, 64, "expert intermediate size, multiple of 32 (gpt-oss 2880, "
                  "DeepSeek moe_intermediate 2048)", minimum=32),
-        ShapeKey("experts", int, 8, "routed experts (gpt-oss-120b 128, DeepSeek-R1 256, Kimi K2 384)",
-                 minimum=1),
+        ShapeKey("experts", int, 8, "routed experts (gpt-oss-120b 128, DeepSeek-R1 256, Kimi K2 384); "
+                 "0: a dense FFN of the shared experts only (DeepSeek's first layers)", minimum=0),
         ShapeKey("top_k", int, 2, "experts per token (gpt-oss 4, DeepSeek/Kimi 8)", minimum=1),
         ShapeKey("shared_experts", int, 0, "always-on experts of the same size (DeepSeek/Kimi 1)",
                  minimum=0),

@@ -21,6 +21,28 @@ def _oracle(inputs, shape, spec):
     """The layer in float64 from the model's definition (no activation quantisation, any order)."""
     p = plan_moe(shape, spec)
     x = np.asarray(inputs["x"], np.float64)
+    y = np.zeros_like(x)
+    ids = np.zeros((p.t, 0), np.int64)
+    if p.e:
+        ids = _route_oracle(inputs, shape, p, x, y)
+    for weights in (unpack_experts(inputs["shared"], p) if p.s else []):
+        y += _ffn_oracle(weights, x, shape)
+    return y, ids
+
+
+def _ffn_oracle(weights, xs, shape):
+    g, u, d = (np.asarray(mx.dequantize(a), np.float64) for a in weights)
+    gate, up = xs @ g, xs @ u
+    if shape["activation"] == "swiglu_oai":
+        gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+        act = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+    else:
+        act = gate / (1 + np.exp(-gate)) * up
+    return act @ d
+
+
+def _route_oracle(inputs, shape, p, x, y):
+    """Adds the routed experts' outputs to y; returns the chosen ids [T, k]."""
     panels = np.asarray(inputs["router"], np.float64)
     wr = np.concatenate([panels[r * p.h:(r + 1) * p.h] for r in range(p.router_parts)], axis=1)
     logits = x @ wr
@@ -35,24 +57,11 @@ def _oracle(inputs, shape, spec):
         sg = 1 / (1 + np.exp(-vals))
         w = sg / sg.sum(axis=1, keepdims=True) * shape["routed_scaling_factor"]
 
-    def ffn(weights, xs):
-        g, u, d = (np.asarray(mx.dequantize(a), np.float64) for a in weights)
-        gate, up = xs @ g, xs @ u
-        if shape["activation"] == "swiglu_oai":
-            gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
-            act = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
-        else:
-            act = gate / (1 + np.exp(-gate)) * up
-        return act @ d
-
     routed = unpack_experts(inputs["experts"], p)
-    y = np.zeros_like(x)
     for t in range(p.t):
         for j in range(p.k):
-            y[t] += w[t, j] * ffn(routed[ids[t, j]], x[t:t + 1])[0]
-    for weights in (unpack_experts(inputs["shared"], p) if p.s else []):
-        y += ffn(weights, x)
-    return y, ids
+            y[t] += w[t, j] * _ffn_oracle(routed[ids[t, j]], x[t:t + 1], shape)[0]
+    return ids
 
 
 @pytest.mark.parametrize("act_fmt, model_rel_err", [("fp8e4", 0.1), ("bf16", 0.01)])
@@ -72,6 +81,25 @@ def test_moe_matches_reference_and_model(extra, act_fmt, model_rel_err):
     hit, d = np.unique(ids), r.notes["distinct_experts"]
     padded = np.concatenate([hit, np.full(d - len(hit), hit[-1])])  # spare slots repeat the last
     assert np.array_equal(res.read("expert_ids", "i32", (d, 1))[:, 0], padded)
+
+
+DENSE_TINY = {"experts": 0, "top_k": 1, "shared_experts": 2, "activation": "silu", "intermediate": 96}
+
+
+def test_dense_ffn_mode_has_no_router_and_reads_only_the_shared_weights():
+    r = run_kernel("moe", DENSE_TINY, check=True)
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
+    b = r.build
+    names = {a.name for a in b.program.allocations if a.space.value == "hbm"}
+    assert names == {"x", "shared", "y"}  # no router, no routed table, no expert ids
+    assert not any(ins.mnemonic in ("vec.topk", "vec.group", "dma.gather") for ins in b.program.instructions)
+    inputs = b.make_inputs(0)
+    got = run_functional(b.program, inputs).read("y").astype(np.float64)
+    want, _ = _oracle(inputs, r.shape, load_preset("tiny"))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1  # MXFP8 activations
+    # HBM bytes: the shared experts once, x once per working core, y once.
+    t, h = r.shape["tokens"], r.shape["hidden"]
+    assert r.summary["hbm_bytes"] == 2 * r.notes["expert_bytes"] + 2 * t * h * (r.notes["cores"] + 1)
 
 
 def _hot_inputs(build, hot):
@@ -145,6 +173,7 @@ def test_vec_group_semantics_and_padding():
 
 @pytest.mark.parametrize("shape, match", [
     ({"top_k": 9}, "top_k=9"),
+    ({"experts": 4, "top_k": 5}, "top_k=5"),
     ({"hidden": 48}, "hidden=48"),
     ({"intermediate": 80}, "intermediate=80"),
     ({"distinct_experts": 1}, "distinct_experts=1"),
@@ -152,6 +181,8 @@ def test_vec_group_semantics_and_padding():
     ({"slice": 48}, "slice=48"),
     ({"tokens": 600}, "tokens=600"),
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
+    ({"experts": 0}, "experts=0"),  # a dense FFN needs a shared expert
+    ({"experts": 0, "shared_experts": 1, "distinct_experts": 2}, "distinct_experts=2"),
 ])
 def test_impossible_shapes_are_refused_before_building(shape, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -171,3 +202,15 @@ def test_full_size_gpt_oss_decode_timing_only():
     # Only the 4 chosen experts are read: ~53 MB, not the 128 experts' 1.7 GB.
     assert n["routed_expert_bytes"] <= s["hbm_bytes"] < 1.05 * n["routed_expert_bytes"]
     assert s["time_s"] >= s["lower_bound_s"] and s["bound"] in ("latency", "hbm", "synchronisation")
+
+
+def test_full_size_dense_ffn_timing_only():
+    """DeepSeek-R1's dense layers (and Kimi's first): the FFN as moe with experts=0."""
+    shape = {"tokens": 64, "hidden": 7168, "intermediate": 18432, "experts": 0, "top_k": 1,
+             "shared_experts": 1, "activation": "silu"}
+    r = run_kernel("moe", shape, preset="jalapeno-v1", check=False, safety_checks=False)
+    s, weights = r.summary, 7168 * 18432 * 3 * 17 // 32  # 4.25 bits per weight
+    assert r.notes["shared_expert_bytes"] == weights and r.notes["routed_expert_bytes"] == 0
+    assert weights < s["hbm_bytes"] < 1.3 * weights  # + x once per core and y
+    # MXFP8 x MXFP4 on 64 of a tile's 128 rows: the matrix unit needs about as long as HBM.
+    assert max(s["memory_bound_s"], s["compute_bound_s"]) < s["time_s"] < 2.2 * s["lower_bound_s"]

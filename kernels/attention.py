@@ -49,10 +49,24 @@ Layouts (HBM, all row-major):
   blocked by 32 along each matmul's contraction: K along head_dim (scales [.., head_dim/32, ..]),
   V along tokens (scales per 32 tokens per head_dim column). Q and P stay BF16 (the mixed
   BF16 x MXFP8 matmul runs at the BF16 rate), so FP8 halves the KV bytes.
-- ``q``, ``k``, ``v`` (prefill): [batch*seq, q_heads*head_dim], ``k`` transposed per KV head
-  [batch*kv_heads*head_dim, seq] (the K projection writes it so by computing W_k^T X^T), ``v``
-  [batch*seq, kv_heads*head_dim]. A first phase rotates K^T and writes ``k_cache`` (the same
-  layout as decode's contiguous cache) that the attention phase reads; it is an output too.
+- Prefill runs on a chunk of ``seq`` new tokens per sequence after ``prior`` tokens already in
+  the cache (chunked prefill; ``prior`` 0 is a whole prompt). The chunk's ``q`` [batch*seq,
+  q_heads*head_dim] and ``v`` [batch*seq, kv_heads*head_dim], and its keys ``k`` transposed per
+  KV head [batch*kv_heads*head_dim, seq] (the K projection writes them so by computing
+  W_k^T X^T), not yet rotated. ``k_cache`` / ``v_cache`` are decode's contiguous BF16 cache
+  (above) with ``cap`` = shape key ``capacity`` (0: prior+seq rounded up to 32): inputs whose
+  positions 0..prior-1 hold the prior context (keys rotated), and outputs: a first phase
+  rotates the chunk's K^T into columns prior..prior+seq-1 and copies its V rows into rows
+  prior..prior+seq-1; nothing else in them changes. So the next chunk takes them as they are,
+  and attention-decode at context c reads them when ``capacity`` is c rounded up to 32 (its
+  ``cap``; the decode token's own K and V are appended by kv-append). The attention phase reads
+  K tiles from ``k_cache`` (the prior context's at once, the chunk's once the first phase has
+  written them) and V tiles from ``v_cache`` for the prior context and from ``v`` for the
+  chunk's own keys, so V never waits for the copy. Query tile i (positions prior + i*T..)
+  walks the T-token key tiles of absolute positions that meet its rows' causal windows: with a
+  sliding window the prior context out of reach is never read. RoPE tables by position:
+  ``rope_cos`` / ``rope_sin`` [prior+seq, head_dim/2] (rows prior.. rotate q) and their
+  transposes ``rope_cos_t`` / ``rope_sin_t`` [head_dim/2, prior+seq] (for K^T).
 
 RoPE follows gpt-oss: rotate-half (first and second half of head_dim, done on sub-tiles) with
 YaRN-scaled frequencies and the concentration factor applied to cos and sin
@@ -68,6 +82,7 @@ busy beside it); prefill is bound by the vector unit's exp (128 elements per cyc
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -88,6 +103,7 @@ from .attention_engine import (
     _Core,
     _fits,
     _Plan,
+    _sram_left,
     _Step,
     _Unit,
     _view,
@@ -129,6 +145,11 @@ def _check_common(shape: dict[str, Any]) -> None:
                                    "contracts over head_dim in 32-element matrix-unit blocks")
     if w < 0:
         raise InvalidArgumentError(f"shape key window={w} must be >= 0 (0: full attention)")
+
+
+def _k_pad(spec: ChipSpec, kv_dtype: str) -> int:
+    """Elements of padding after each K^T cache row: one HBM interleave granule (see the module doc)."""
+    return spec.hbm.interleave_bytes * 8 // DTYPES[kv_dtype].bits
 
 
 # --- attention-decode ---------------------------------------------------------------------------
@@ -189,7 +210,7 @@ def build_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             mask_rows[t0] = row
     mask_order = sorted(mask_rows)
     pages_per_seq = cap // ps if ps else 0
-    pad_k = spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits  # K^T row padding, elements
+    pad_k = _k_pad(spec, kvd)  # K^T row padding, elements
     pad_s = spec.hbm.interleave_bytes  # of the E8M0 scale rows
     n_pages = bsz * pages_per_seq
 
@@ -413,27 +434,98 @@ ATTENTION_DECODE = register(KernelDef(
 
 
 # --- attention-prefill --------------------------------------------------------------------------
-def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _Plan:
+def _prefill_cap(shape: dict[str, Any]) -> int:
+    """Cache capacity in tokens: ``capacity``, or prior+seq rounded up to 32 (decode's ``cap``)."""
+    seq, prior, capacity = shape["seq"], shape["prior"], shape["capacity"]
+    if prior < 0:
+        raise InvalidArgumentError(f"shape key prior={prior} must be >= 0 (tokens already in the cache)")
+    if capacity == 0:
+        return -(-(prior + seq) // 32) * 32
+    if capacity % 32 or capacity < prior + seq:
+        raise InvalidArgumentError(
+            f"shape key capacity={capacity} must be a multiple of 32 and >= prior+seq={prior + seq} "
+            "(0: prior+seq rounded up to 32)")
+    return capacity
+
+
+_PrefillTiles = dict[int, list[tuple[int, int, int | None]]]  # query tile -> [(k0, n, delta or None)]
+
+
+def _prefill_tiles(seq: int, prior: int, t: int, w: int) -> tuple[_PrefillTiles, dict[int, np.ndarray]]:
+    """The key tiles each query tile visits, and the mask patterns of the partly visible ones.
+
+    Query tile ``qi`` holds the chunk's tokens qi*t.. (positions prior+qi*t..); key tiles are the
+    t-token tiles of absolute positions kj*t.. up to prior+seq rounded up to 32 (keys past that
+    are never visible). A key tile is visited when it meets [first visible key, last query] of
+    the query tile (the union of its rows' windows, contiguous), so a window skips the prior
+    context it does not reach. A partly visible tile adds the [t, t] mask pattern of
+    ``delta = qi - kj``: query minus key position is prior + delta*t + row - col, nothing else.
+    """
+    end = -(-(prior + seq) // 32) * 32
+    tiles: _PrefillTiles = {}
+    patterns: dict[int, np.ndarray] = {}
+    for qi in range(-(-seq // t)):
+        a, nq = prior + qi * t, min(t, seq - qi * t)  # first query position, query rows
+        lo = max(0, a - w + 1) if w else 0
+        lst = []
+        for kj in range(lo // t, (a + nq - 1) // t + 1):
+            k0, nk = kj * t, min(t, end - kj * t)
+            delta = None
+            if not (k0 + nk - 1 <= a and (not w or k0 >= a + nq - w)):  # not every key visible
+                delta = qi - kj
+                if delta not in patterns:
+                    patterns[delta] = np.where(_prefill_valid(prior + delta * t, 0, t, t, w), 0,
+                                               MASK_VALUE).astype(np.float32)
+            lst.append((k0, nk, delta))
+        tiles[qi] = lst
+    return tiles, patterns
+
+
+@dataclass(frozen=True)
+class _PrefillLayout:
+    """Static choices of one attention-prefill instance.
+
+    plan: the engine's sizes; cap: cache capacity (tokens); tiles: key tiles per query tile;
+    patterns: mask pattern per delta; v_slots: phase-1 V staging buffers per core.
+    """
+
+    plan: _Plan
+    cap: int
+    tiles: _PrefillTiles
+    patterns: dict[int, np.ndarray]
+    v_slots: int
+
+
+def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _PrefillLayout:
+    """The largest query/key tile that fits, and what goes with it; refuses impossible shapes."""
     _check_common(shape)
-    seq, hq, hkv, d = (shape[k] for k in ("seq", "q_heads", "kv_heads", "head_dim"))
+    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
     if shape["kv_dtype"] != "bf16":
         raise InvalidArgumentError(
-            f"shape key kv_dtype={shape['kv_dtype']!r}: prefill attends over the BF16 K and V of "
-            "its projections; FP8 applies to the decode cache")
+            f"shape key kv_dtype={shape['kv_dtype']!r}: prefill reads and writes a BF16 KV cache "
+            "(an MXFP8 cache is implemented for decode only)")
     if seq % 32:
         raise InvalidArgumentError(f"shape key seq={seq} must be a multiple of 32: P.V contracts "
                                    "over keys in 32-token matrix-unit blocks (pad the prompt)")
+    cap = _prefill_cap(shape)
     for t in _PREFILL_TILES:
         if t > max(32, seq):
             continue
+        tiles, patterns = _prefill_tiles(seq, shape["prior"], t, shape["window"])
+        chunks = bsz * hkv * -(-seq // t)
+        chunks_per_core = -(-chunks // min(spec.core.count, chunks))
         for nbuf in (_NBUF, 2):  # prefill is vector-bound: two KV slots in flight are enough
             plan = _Plan(hpk=hq // hkv, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16",
                          sinks=shape["sinks"], scale=1 / math.sqrt(d), page_size=0)
-            # sinks, mask patterns, phase-1 buffers (K^T in/out, cos, sin, 2 temps; x2)
-            n_masks = 1 + (-(-shape["window"] // t) if shape["window"] else 0)
-            extra = 4 * hq + n_masks * 4 * t * t + 2 * (2 * 2 * d * t + 4 * 4 * (d // 2) * t) + 1024
+            # sinks, mask patterns, phase-1 buffers (two slots of K^T in/out and V in BF16 and of
+            # cos and sin in FP32, two FP32 temporaries)
+            extra = (4 * hq + len(patterns) * 4 * t * t + 2 * (3 * 2 * d * t + 2 * 4 * (d // 2) * t)
+                     + 2 * 4 * (d // 2) * t + 1024)
             if _fits(plan, spec, extra):
-                return plan
+                # Spare scratchpad stages more of a core's V chunks at once: a slot is free again
+                # only when its store has landed, a load-store round trip per reuse.
+                spare = _sram_left(plan, spec, extra) // (2 * d * t)
+                return _PrefillLayout(plan, cap, tiles, patterns, max(1, min(chunks_per_core, 2 + spare)))
     raise InvalidArgumentError(
         f"shape key head_dim={d} with q_heads/kv_heads={hq // hkv}: one 32-token query tile of "
         f"every head of a KV group does not fit {spec.name}'s scratchpad or accumulators")
@@ -449,80 +541,46 @@ def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
     return ok
 
 
-def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """attention-prefill: causal attention over ``seq`` new tokens (see the module doc)."""
-    plan = _prefill_plan(shape, spec)
-    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
-    w, hpk, t, h2 = shape["window"], plan.hpk, plan.tk, d // 2
-    n_tiles = -(-seq // t)
-    # Mask patterns depend only on how far the key tile is behind the query tile (delta).
-    patterns: dict[int, np.ndarray] = {}
-    unit_tiles: dict[int, list[tuple[int, int, int | None]]] = {}  # qi -> [(k0, n, delta or None)]
-    for qi in range(n_tiles):
-        q0, nq = qi * t, min(t, seq - qi * t)
-        lst = []
-        for kj in range(qi + 1):
-            k0, nk = kj * t, min(t, seq - kj * t)
-            ok = _prefill_valid(q0, k0, nq, nk, w)
-            if not ok.any():
-                continue
-            delta = None
-            if not ok.all():
-                delta = qi - kj
-                if delta not in patterns:
-                    patterns[delta] = np.where(_prefill_valid(delta * t, 0, t, t, w), 0,
-                                               MASK_VALUE).astype(np.float32)
-            lst.append((k0, nk, delta))
-        unit_tiles[qi] = lst
-    deltas = sorted(patterns)
+def _emit_cache_writes(kb: KernelBuilder, spec: ChipSpec, shape: dict[str, Any], lay: _PrefillLayout,
+                       hbm: dict[str, Tile]) -> tuple[Any, int]:
+    """Phase 1: rotate the chunk's K^T into k_cache columns prior.. and copy its V rows into
+    v_cache rows prior.., in (sequence, KV head, t-token) chunks spread over the cores.
 
-    kb = KernelBuilder(f"attention_prefill_b{bsz}_seq{seq}", chip=spec)
-    q_h = kb.hbm("q", (bsz * seq, hq * d), "bf16")
-    k_h = kb.hbm("k", (bsz * hkv * d, seq), "bf16")
-    v_h = kb.hbm("v", (bsz * seq, hkv * d), "bf16")
-    out_h = kb.hbm("out", (bsz * seq, hq * d), "bf16")
-    kc_h = kb.hbm("k_cache", (bsz * hkv * d, seq), "bf16")
-    cos_h, sin_h = kb.hbm("rope_cos", (seq, h2), "f32"), kb.hbm("rope_sin", (seq, h2), "f32")
-    cost_h, sint_h = kb.hbm("rope_cos_t", (h2, seq), "f32"), kb.hbm("rope_sin_t", (h2, seq), "f32")
-    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
-    mask_h = kb.hbm("mask", (len(deltas) * t, t), "f32") if deltas else None
-
-    units = []
-    for bb in range(bsz):
-        for g in range(hkv):
-            for qi in range(n_tiles):
-                q0, nq = qi * t, min(t, seq - qi * t)
-                heads = range(g * hpk, (g + 1) * hpk)
-                unit = _Unit(heads=hpk, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                             out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                             sink_row=g * hpk, cos=cos_h.sub(q0, 0, nq, h2), sin=sin_h.sub(q0, 0, nq, h2),
-                             key=(bb, g, qi))
-                units.append(unit)
-    cores = min(spec.core.count, len(units))
-    per_core = _assign(units, [len(unit_tiles[u.key[2]]) for u in units], cores)
-
-    # Phase 1: rotate K^T into k_cache, column chunks spread over the cores.
+    Per core: queue 0 loads K^T and the transposed cos/sin (two slots), queue 1 loads V
+    (``lay.v_slots`` slots), the vector unit rotates, queue 3 stores both. Returns (semaphore,
+    value): signalled once per core after its last store, so (sem, cores) means the whole chunk
+    is in the cache.
+    """
+    t, cap, nv = lay.plan.tk, lay.cap, lay.v_slots
+    bsz, seq, prior, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "kv_heads", "head_dim"))
+    h2 = d // 2
     chunks = [(row, c0, min(t, seq - c0)) for row in range(bsz * hkv) for c0 in range(0, seq, t)]
     p1_cores = min(spec.core.count, len(chunks))
-    kdone = kb.semaphore("kcache_written")
+    written = kb.semaphore("cache_written")
     for c in range(p1_cores):
         core = kb.core(c)
         mine = chunks[c::p1_cores]
         kin = [kb.sram(c, f"p1k{s}", (d, t), "bf16") for s in range(2)]
         kout = [kb.sram(c, f"p1o{s}", (d, t), "bf16") for s in range(2)]
+        vin = [kb.sram(c, f"p1v{s}", (t, d), "bf16") for s in range(min(nv, len(mine)))]
         cs = [kb.sram(c, f"p1c{s}", (h2, t), "f32") for s in range(2)]
         sn = [kb.sram(c, f"p1s{s}", (h2, t), "f32") for s in range(2)]
         tmp = [kb.sram(c, f"p1t{s}", (h2, t), "f32") for s in range(2)]
-        loaded, roped, stored = (kb.semaphore(f"c{c}.p1{n}") for n in ("loaded", "roped", "stored"))
-        ld, vpu, st = core.dma[0], core.vpu, core.dma[3]
+        loaded, vloaded, roped, stored, vstored = (
+            kb.semaphore(f"c{c}.p1{n}") for n in ("loaded", "vloaded", "roped", "stored", "vstored"))
+        ld, vld, vpu, st = core.dma[0], core.dma[1], core.vpu, core.dma[3]
         for i, (row, c0, n) in enumerate(mine):
-            s = i % 2
+            s, bb, g = i % 2, row // hkv, row % hkv
             if i >= 2:
                 ld.wait(roped, i - 1)
-            ld.load(kin[s].sub(0, 0, d, n), k_h.sub(row * d, c0, d, n))
-            ld.load(cs[s].sub(0, 0, h2, n), cost_h.sub(0, c0, h2, n))
-            ld.load(sn[s].sub(0, 0, h2, n), sint_h.sub(0, c0, h2, n))
+            if i >= nv:
+                vld.wait(vstored, i - nv + 1)
+            ld.load(kin[s].sub(0, 0, d, n), hbm["k"].sub(row * d, c0, d, n))
+            ld.load(cs[s].sub(0, 0, h2, n), hbm["rope_cos_t"].sub(0, prior + c0, h2, n))
+            ld.load(sn[s].sub(0, 0, h2, n), hbm["rope_sin_t"].sub(0, prior + c0, h2, n))
             ld.signal(loaded)
+            vld.load(vin[i % nv].sub(0, 0, n, d), hbm["v"].sub(bb * seq + c0, g * d, n, d))
+            vld.signal(vloaded)
             vpu.wait(loaded, i + 1)
             if i >= 2:
                 vpu.wait(stored, i - 1)
@@ -537,9 +595,76 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             vpu.add(kout[s].sub(h2, 0, h2, n), t1, t2)
             vpu.signal(roped)
             st.wait(roped, i + 1)
-            st.store(kc_h.sub(row * d, c0, d, n), kout[s].sub(0, 0, d, n))
+            st.store(hbm["k_cache"].sub(row * d, prior + c0, d, n), kout[s].sub(0, 0, d, n))
             st.signal(stored)
-        st.signal(kdone)
+        st.signal(written)
+        # V stores after every K store: attention waits for K only (it reads the chunk's V
+        # from v), so a V slot's load-store round trips stay off its path.
+        for i, (row, c0, n) in enumerate(mine):
+            st.wait(vloaded, i + 1)
+            st.store(hbm["v_cache"].sub(row * cap + prior + c0, 0, n, d), vin[i % nv].sub(0, 0, n, d))
+            st.signal(vstored)
+    return written, p1_cores
+
+
+def _v_parts(hbm: dict[str, Tile], shape: dict[str, Any], cap: int, bb: int, g: int, k0: int,
+             nk: int) -> tuple[Tile, ...]:
+    """HBM row blocks of the V tile of keys k0..k0+nk of sequence bb, KV head g: the chunk's own
+    keys from ``v`` (so that no V load waits for phase 1's copy into the cache), the others
+    (prior context, padding past prior+seq) from ``v_cache``."""
+    seq, prior, hkv, d = shape["seq"], shape["prior"], shape["kv_heads"], shape["head_dim"]
+    row = bb * hkv + g
+    parts = []
+    for lo, hi, in_chunk in ((k0, min(k0 + nk, prior), False),
+                             (max(k0, prior), min(k0 + nk, prior + seq), True),
+                             (max(k0, prior + seq), k0 + nk, False)):
+        if lo < hi:
+            parts.append(hbm["v"].sub(bb * seq + lo - prior, g * d, hi - lo, d) if in_chunk
+                         else hbm["v_cache"].sub(row * cap + lo, 0, hi - lo, d))
+    return tuple(parts)
+
+
+def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """attention-prefill: causal attention of ``seq`` new tokens over ``prior`` cached ones and
+    themselves; writes the chunk's K and V into the decode cache (see the module doc)."""
+    lay = _prefill_plan(shape, spec)
+    plan, cap, unit_tiles, patterns = lay.plan, lay.cap, lay.tiles, lay.patterns
+    bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
+                                                      "head_dim"))
+    hpk, t, h2, pad_k = plan.hpk, plan.tk, d // 2, _k_pad(spec, "bf16")
+    n_tiles, ctx = -(-seq // t), prior + seq
+    deltas = sorted(patterns)
+
+    kb = KernelBuilder(f"attention_prefill_b{bsz}_seq{seq}_prior{prior}", chip=spec)
+    hbm = {
+        "q": kb.hbm("q", (bsz * seq, hq * d), "bf16"),
+        "k": kb.hbm("k", (bsz * hkv * d, seq), "bf16"),
+        "v": kb.hbm("v", (bsz * seq, hkv * d), "bf16"),
+        "out": kb.hbm("out", (bsz * seq, hq * d), "bf16"),
+        "k_cache": kb.hbm("k_cache", (bsz * hkv * d, cap + pad_k), "bf16"),
+        "v_cache": kb.hbm("v_cache", (bsz * hkv * cap, d), "bf16"),
+        "rope_cos": kb.hbm("rope_cos", (ctx, h2), "f32"), "rope_sin": kb.hbm("rope_sin", (ctx, h2), "f32"),
+        "rope_cos_t": kb.hbm("rope_cos_t", (h2, ctx), "f32"),
+        "rope_sin_t": kb.hbm("rope_sin_t", (h2, ctx), "f32"),
+    }
+    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
+    mask_h = kb.hbm("mask", (len(deltas) * t, t), "f32") if deltas else None
+    q_h, out_h, kc_h = hbm["q"], hbm["out"], hbm["k_cache"]
+
+    units = []
+    for bb in range(bsz):
+        for g in range(hkv):
+            for qi in range(n_tiles):
+                q0, nq = qi * t, min(t, seq - qi * t)
+                heads = range(g * hpk, (g + 1) * hpk)
+                unit = _Unit(heads=hpk, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                             out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                             sink_row=g * hpk, cos=hbm["rope_cos"].sub(prior + q0, 0, nq, h2),
+                             sin=hbm["rope_sin"].sub(prior + q0, 0, nq, h2), key=(bb, g, qi))
+                units.append(unit)
+    cores = min(spec.core.count, len(units))
+    per_core = _assign(units, [len(unit_tiles[u.key[2]]) for u in units], cores)
+    written = _emit_cache_writes(kb, spec, shape, lay, hbm)
 
     for c in range(cores):
         mine = per_core[c]
@@ -557,20 +682,22 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             bb, g, qi = unit.key
             row = bb * hkv + g
             for k0, nk, delta in unit_tiles[qi]:
-                st = _Step(n=nk, k=kc_h.sub(row * d, k0, d, nk), v=v_h.sub(bb * seq + k0, g * d, nk, d))
+                # K tiles wholly in the prior context need not wait for phase 1's writes.
+                st = _Step(n=nk, k=kc_h.sub(row * d, k0, d, nk), gated=k0 + nk > prior,
+                           v_parts=_v_parts(hbm, shape, cap, bb, g, k0, nk))
                 if delta is not None:
                     st.mask = masks_s.sub(deltas.index(delta) * t, 0, unit.nq, nk)
                 unit.steps.append(st)
         em = _Core(kb, c, plan, mine)
         em.emit_queries(consts)
-        em.emit_loads((kdone, p1_cores), None)  # K^T once every core has rotated its share
+        em.emit_loads(written, None)  # V never waits: the chunk's rows come from v itself
         em.emit_mxu()
         em.emit_vpu(sinks_s, None, None)
         em.emit_stores()
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
-        cos, sin = yarn_cos_sin(seq, d)
+        cos, sin = yarn_cos_sin(ctx, d)
         ins = {"q": rng.standard_normal((bsz * seq, hq * d)).astype(_BF16),
                "k": rng.standard_normal((bsz * hkv * d, seq)).astype(_BF16),
                "v": rng.standard_normal((bsz * seq, hkv * d)).astype(_BF16),
@@ -580,55 +707,82 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
         if deltas:
             ins["mask"] = np.concatenate([patterns[dl] for dl in deltas])
+        # The prior context (keys already rotated); the chunk's slots and the padding hold
+        # garbage that the kernel must overwrite or never let through the mask.
+        ins["k_cache"] = rng.standard_normal((bsz * hkv * d, cap + pad_k)).astype(_BF16)
+        ins["v_cache"] = rng.standard_normal((bsz * hkv * cap, d)).astype(_BF16)
         return ins
 
     def reference(inputs):
-        out, kc = prefill_reference(inputs, shape, {qi: [(k0, n) for k0, n, _ in lst]
-                                                    for qi, lst in unit_tiles.items()}, t)
-        return {"out": np.asarray(out), "k_cache": np.asarray(kc)}
+        out, kc, vc = prefill_reference(inputs, shape, {qi: [(k0, n) for k0, n, _ in lst]
+                                                        for qi, lst in unit_tiles.items()}, t)
+        return {"out": np.asarray(out), "k_cache": kc, "v_cache": vc}
 
     notes = {"tile_tokens": t, "units": len(units), "cores": cores, "kv_tiles": sum(
-        len(u.steps) for u in units), "mask_patterns": len(deltas)}
+        len(u.steps) for u in units), "mask_patterns": len(deltas), "prior": prior, "cache_capacity": cap,
+        "phase1_cores": written[1], "v_staging_slots": lay.v_slots}
     return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
                        outputs={"out": ("bf16", (bsz * seq, hq * d)),
-                                "k_cache": ("bf16", (bsz * hkv * d, seq))},
+                                "k_cache": ("bf16", (bsz * hkv * d, cap + pad_k)),
+                                "v_cache": ("bf16", (bsz * hkv * cap, d))},
                        tolerance=_TOL, notes=notes)
 
 
 def prefill_reference(inputs, shape, tiles: dict[int, list[tuple[int, int]]], t: int):
-    """Pure-JAX prefill with the kernel's roundings: (out float32[B*seq, Hq*D], rotated K^T
-    float32[B*G*D, seq]), BF16 values. ``tiles[qi]`` is the KV tiling of query tile qi."""
-    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
+    """Pure-JAX prefill with the kernel's roundings, BF16 values.
+
+    Args:
+        inputs: the kernel's HBM inputs (``k_cache``/``v_cache`` hold the prior context).
+        shape: its shape keys.
+        tiles: ``tiles[qi]`` [(start, n)]: the absolute key tiles query tile qi walks, in order.
+        t: query tile size (tokens).
+    Returns:
+        (out float32[B*seq, Hq*D], k_cache float32[B*G*D, cap + pad], v_cache float32[B*G*cap, D]):
+        the attention output and the caches with the chunk's rotated K^T columns and V rows
+        written at positions prior..prior+seq-1, everything else as it came in.
+    """
+    bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
+                                                      "head_dim"))
     w, hpk = shape["window"], hq // hkv
-    cos, sin = _f32(inputs["rope_cos"]), _f32(inputs["rope_sin"])
+    cap = _prefill_cap(shape)
+    cos = _f32(inputs["rope_cos"])[prior:prior + seq]
+    sin = _f32(inputs["rope_sin"])[prior:prior + seq]
     q = _f32(np.asarray(inputs["q"], np.float32)).reshape(bsz, seq, hq, d)
     qr = _rope_ref(q, cos[None, :, None, :], sin[None, :, None, :], 1 / math.sqrt(d))
     k = _f32(np.asarray(inputs["k"], np.float32)).reshape(bsz, hkv, d, seq).transpose(0, 1, 3, 2)
     kr = _rope_ref(k, cos[None, None], sin[None, None], None)  # [B, G, seq, D]
-    v = _f32(np.asarray(inputs["v"], np.float32)).reshape(bsz, seq, hkv, d)
+    v = np.asarray(inputs["v"], np.float32).reshape(bsz, seq, hkv, d)
+    kc = np.asarray(inputs["k_cache"], np.float32).reshape(bsz, hkv, d, -1).copy()
+    kc[..., prior:prior + seq] = np.asarray(kr).transpose(0, 1, 3, 2)
+    vc = np.asarray(inputs["v_cache"], np.float32).reshape(bsz, hkv, cap, d).copy()
+    vc[:, :, prior:prior + seq] = v.transpose(0, 2, 1, 3)
+    kt_all, v_all = _f32(kc[..., :cap]), _f32(vc)
     sinks = np.asarray(inputs["sinks"], np.float32)[:, 0] if shape["sinks"] else None
     out = np.zeros((bsz, seq, hkv, hpk, d), np.float32)
     qg = qr.reshape(bsz, seq, hkv, hpk, d).transpose(0, 2, 3, 1, 4)  # [B, G, hpk, seq, D]
     for qi, lst in tiles.items():  # all sequences and KV heads at once, one query tile at a time
         q0, nq = qi * t, min(t, seq - qi * t)
         rows = qg[:, :, :, q0:q0 + nq].reshape(bsz, hkv, hpk * nq, d)  # heads stacked, as the kernel
-        valid = np.tile(_prefill_valid(q0, 0, nq, seq, w), (hpk, 1))
+        valid = np.tile(_prefill_valid(prior + q0, 0, nq, cap, w), (hpk, 1))
         sink = None if sinks is None else _f32(np.broadcast_to(
             np.repeat(sinks.reshape(hkv, hpk), nq, axis=1), (bsz, hkv, hpk * nq)))
-        o = _flash_ref(rows, kr.transpose(0, 1, 3, 2), v.transpose(0, 2, 1, 3), valid, lst, sink)
+        o = _flash_ref(rows, kt_all, v_all, valid, lst, sink)
         out[:, q0:q0 + nq] = np.asarray(o).reshape(bsz, hkv, hpk, nq, d).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(bsz, seq, hq, d)
-    kc = np.asarray(kr).transpose(0, 1, 3, 2).reshape(bsz * hkv * d, seq)
-    return out.reshape(bsz * seq, hq * d), kc
+    return out.reshape(bsz * seq, hq * d), kc.reshape(bsz * hkv * d, -1), vc.reshape(bsz * hkv * cap, d)
 
 
 ATTENTION_PREFILL = register(KernelDef(
     name="attention-prefill",
-    doc="Flash causal prefill attention: GQA, sliding window, sinks, YaRN RoPE on q and k; "
-        "writes the rotated K^T cache.",
+    doc="Flash causal prefill attention of a chunk of new tokens over the prior context in the "
+        "KV cache and themselves: GQA, sliding window, sinks, YaRN RoPE on q and k; writes the "
+        "chunk's rotated K^T and V into the decode cache.",
     shape_keys=(
         ShapeKey("batch", int, 1, "sequences", minimum=1),
-        ShapeKey("seq", int, 128, "prompt tokens per sequence, a multiple of 32", minimum=32),
+        ShapeKey("seq", int, 128, "new tokens (this chunk) per sequence, a multiple of 32", minimum=32),
+        ShapeKey("prior", int, 0, "tokens already in each sequence's KV cache before this chunk",
+                 minimum=0),
+        ShapeKey("capacity", int, 0, "cache capacity in tokens, a multiple of 32 >= prior+seq; "
+                 "0 = prior+seq rounded up to 32 (attention-decode's cap)", minimum=0),
         *_COMMON_KEYS,
     ),
     build=build_prefill,

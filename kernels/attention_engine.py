@@ -34,9 +34,11 @@ class _Step:
     k: Tile | None = None  # contiguous HBM sources
     k_scale: Tile | None = None
     v: Tile | None = None
+    v_parts: tuple[Tile, ...] = ()  # instead of v: row blocks loaded one under the other
     v_scale: Tile | None = None
     idx: Tile | None = None  # paged: [pages, 1] int32 SRAM indices into the pools
     mask: Tile | None = None  # [1, n] (broadcast over rows) or [nq, n] (per head)
+    gated: bool = True  # its loads wait for emit_loads' gates (False: reads data already there)
 
 
 @dataclass
@@ -112,10 +114,15 @@ def _nbytes(shape: tuple[int, int], dtype: str) -> int:
     return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
 
 
+def _sram_left(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> int:
+    """Scratchpad bytes per core left in the engine's share after its buffers and ``consts_bytes``
+    (negative: they do not fit)."""
+    used = sum(_nbytes(s, dt) for _, s, dt in plan.sram_buffers()) + consts_bytes
+    return int(_SRAM_SHARE * spec.sram.scratchpad_bytes) - used
+
+
 def _fits(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> bool:
-    sram = sum(_nbytes(s, dt) for _, s, dt in plan.sram_buffers()) + consts_bytes
-    return (sram <= _SRAM_SHARE * spec.sram.scratchpad_bytes
-            and plan.acc_bytes() <= spec.sram.accumulator_bytes)
+    return _sram_left(plan, spec, consts_bytes) >= 0 and plan.acc_bytes() <= spec.sram.accumulator_bytes
 
 
 def _view(t: Tile, rows: int, cols: int, dtype: str | None = None, byte_off: int = 0) -> Tile:
@@ -157,16 +164,19 @@ class _Core:
         """K tiles on queue 0 (and 2), V tiles on queue 1 (and 3), alternating: a signal on a
         DMA queue waits for that queue's transfers in flight, so two queues per stream keep two
         tiles in flight. A slot is reused once the matmul that read it is done.
-        ``k_gate``/``v_gate`` (semaphore, value): wait before the first load."""
+        ``k_gate``/``v_gate`` (semaphore, value): each queue waits for its gate before its first
+        load of a ``gated`` step (prefill: the first tile holding the chunk's own keys, so tiles
+        of prior context stream while the chunk's K is being written)."""
         p, nq = self.p, self.p.kv_queues
         kqs = [self.core.dma[2 * i] for i in range(nq)]
         vqs = [self.core.dma[2 * i + 1] for i in range(nq)]
-        for qs, gate in ((kqs, k_gate), (vqs, v_gate)):
-            for q in qs:
-                if gate is not None:
-                    q.wait(*gate)
+        waited: set[tuple[str, int]] = set()
         for j, (_, st) in enumerate(self.flat):
             slot, kq, vq = j % p.nbuf, kqs[j % nq], vqs[j % nq]
+            for stream, q, gate in (("k", kq, k_gate), ("v", vq, v_gate)):
+                if st.gated and gate is not None and (stream, j % nq) not in waited:
+                    q.wait(*gate)
+                    waited.add((stream, j % nq))
             if j >= p.nbuf:  # the slot's previous tile has been multiplied
                 kq.wait(self.sem["sdone"], j - p.nbuf + 1)
                 vq.wait(self.sem["pvdone"], j - p.nbuf + 1)
@@ -174,7 +184,10 @@ class _Core:
             fp8 = p.kv_dtype != "bf16"
             if st.idx is None:
                 kq.load(k_dst.sub(0, 0, p.d, st.n), st.k)
-                vq.load(_view(v_dst, st.n, p.d), st.v)
+                r0 = 0
+                for src in st.v_parts or (st.v,):
+                    vq.load(_view(v_dst, st.n, p.d).sub(r0, 0, src.rows, p.d), src)
+                    r0 += src.rows
                 if fp8:
                     kq.load(self.buf[f"ks{slot}"].sub(0, 0, p.d // 32, st.n), st.k_scale)
                     vq.load(_view(self.buf[f"vs{slot}"], st.n // 32, p.d), st.v_scale)

@@ -82,6 +82,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 
 __all__ = [
     "ALGORITHMS",
+    "DIRECT_ALGORITHMS",
     "CollectiveTime",
     "Schedule",
     "all_gather",

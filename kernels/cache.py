@@ -25,6 +25,10 @@ agree bit for bit::
 stored in that de-interleaved order, for q and k alike (so scores q.k are those of the interleaved
 rotation). The tables come from ``deepseek_yarn_cos_sin``.
 
+``kv-append`` with ``kv_dtype`` fp8e4 writes attention-decode's MXFP8 cache: the rotated key
+(BF16, as above) quantised along head_dim, and the value re-quantised with the other tokens of
+its 32-token block (V scales run along tokens); ``build_kv_append`` says how.
+
 How it runs: work items (kv-append: (sequence, KV head) pairs; mla-append: query rows and cache
 rows) go to the cores in contiguous blocks, so that one core's rows are contiguous in the inputs
 and evenly strided in the caches: each block moves with one DMA descriptor per tensor. The K^T
@@ -37,23 +41,28 @@ buffer slots (loads of job j+1 overlap the work on job j).
 
 What bounds them: a few KB per core, so the DMA fixed costs (descriptor set-up, HBM latency) and
 the launch: about two DMA round trips plus a dozen vector instructions. Latency-bound at every size.
+The MXFP8 append adds two matrix-unit passes per item and (j+1) small stores per item (the block's
+token rows 0..j, j = (context-1) % 32), which take up to four rounds of DMA set-up at 8 items per
+core (13.5 us on jalapeno-v1 at j = 31, against 5.6 us for BF16).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
+from jalapeno_emu.isa.builder import CoreHandle, EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.table import DTYPES
 
 from .attention_ref import yarn_cos_sin
@@ -65,6 +74,7 @@ __all__ = [
     "MLA_APPEND",
     "YARN_DEEPSEEK_V3",
     "deepseek_yarn_cos_sin",
+    "kv_append_fp8_reference",
     "kv_append_reference",
     "mla_append_reference",
     "rope_deinterleaved",
@@ -181,6 +191,42 @@ def kv_append_reference(k_new, v_new, rope_cos, rope_sin, k_cache, v_cache, *, b
     return kc, vc
 
 
+def kv_append_fp8_reference(k_new, v_new, rope_cos, rope_sin, caches: Mapping[str, Any], *, batch: int,
+                            context: int, kv_heads: int, head_dim: int) -> dict[str, np.ndarray]:
+    """The MXFP8 caches after ``kv-append``: updated copies of ``caches``' uint8 arrays ``k_cache``,
+    ``k_cache.scales``, ``v_cache``, ``v_cache.scales`` (attention-decode's fp8e4 layout).
+
+    K: the rotated key (``rope_rotate_half``, BF16) quantised to E4M3 along head_dim (one scale
+    per 32 dims), written as column ``context-1`` of the codes and of the scales. V: the new
+    token's 32-token block ``blk = (context-1) // 32`` as values (earlier tokens dequantised, the
+    new token in row ``j = (context-1) % 32``, zero after it; zeros positive, as the matrix unit
+    leaves them), quantised along tokens (one scale per head_dim column); rows 0..j of the block
+    and its scale row are written, rows after j keep their bytes.
+    """
+    items, d = batch * kv_heads, head_dim
+    kc, ks, vc, vs = (np.array(caches[n], dtype=np.uint8, copy=True)
+                      for n in ("k_cache", "k_cache.scales", "v_cache", "v_cache.scales"))
+    cap = vc.shape[0] // items
+    blk, j = divmod(context - 1, 32)
+    cos, sin = np.asarray(rope_cos).reshape(1, -1), np.asarray(rope_sin).reshape(1, -1)
+    kr = rope_rotate_half(np.asarray(k_new, np.float32).reshape(items, d), cos, sin)
+    kq = mx.quantize(jnp.asarray(kr), "e4m3", axis=1)
+    kc[:, context - 1] = np.asarray(kq.codes).reshape(-1)
+    ks[:, context - 1] = np.asarray(kq.scales).reshape(-1)
+    rows = (np.arange(items) * cap + blk * 32)[:, None] + np.arange(32)  # [items, 32] V rows
+    srows = np.arange(items) * (cap // 32) + blk
+    old = mx.dequantize(mx.MXArray(codes=jnp.asarray(vc[rows.reshape(-1)]), scales=jnp.asarray(vs[srows]),
+                                   fmt="e4m3", axis=0, block_size=32))
+    block = np.asarray(old, np.float32).reshape(items, 32, d) + np.float32(0)  # -0 -> +0
+    block[:, j] = np.asarray(v_new, np.float32).reshape(items, d) + np.float32(0)
+    block[:, j + 1:] = 0
+    vq = mx.quantize(jnp.asarray(block.reshape(items * 32, d)), "e4m3", axis=0)
+    codes = np.asarray(vq.codes).reshape(items, 32, d)
+    vc[rows[:, :j + 1].reshape(-1)] = codes[:, :j + 1].reshape(-1, d)
+    vs[srows] = np.asarray(vq.scales)
+    return {"k_cache": kc, "k_cache.scales": ks, "v_cache": vc, "v_cache.scales": vs}
+
+
 def mla_append_reference(q, kv_a, rope_cos, rope_sin, kv_cache, *, batch: int, context: int, q_heads: int,
                          nope_dim: int, rope_dim: int, kv_lora_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """(q_rot, kv_cache) after ``mla-append``, BF16 arrays of the inputs' shapes.
@@ -227,29 +273,41 @@ def _rotate_half(vpu: EngineHandle, out1: Tile, out2: Tile, x1: Tile, x2: Tile, 
     vpu.add(out2, t1, t2)
 
 
+def _rotate_job(core: CoreHandle, ready: tuple[Semaphore, int], **tiles: Tile) -> None:
+    """A job's ``_rotate_half`` on the core's vector unit (which has waited for ``ready``)."""
+    _rotate_half(core.vpu, **tiles)
+
+
 def _nbytes(rows: int, cols: int, dtype: str) -> int:
     return -(-rows * DTYPES[dtype].row_bytes(cols) // _ALIGN_BYTES) * _ALIGN_BYTES
 
 
 # --- the per-core pipeline ----------------------------------------------------------------------
+_SPREAD_STORES = 4  # a job with more stores than this spreads them over every DMA queue
+
+
 @dataclass
 class _Job:
     """One core's block of rows: what to load, store as loaded, compute, and store after.
 
     loads: (SRAM dst, HBM src); passthrough: (HBM dst, SRAM src) stored as soon as loaded;
-    compute: issues the vector work on the vector unit; stores: (HBM dst, SRAM src) after it.
+    compute(core, ready): issues the job's work; the vector unit has waited for the loads
+    already, other engines it uses wait on ``ready`` (semaphore, value) themselves; the vector
+    unit's last instruction must come after all of it. stores: (HBM dst, SRAM src) after it.
     """
 
     loads: list[tuple[Tile, Tile]] = field(default_factory=list)
     passthrough: list[tuple[Tile, Tile]] = field(default_factory=list)
-    compute: Callable[[EngineHandle], None] | None = None
+    compute: Callable[[CoreHandle, tuple[Semaphore, int]], None] | None = None
     stores: list[tuple[Tile, Tile]] = field(default_factory=list)
 
 
-def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job]) -> None:
+def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job],
+               mxu_reads_consts: bool = False) -> None:
     """Issue core ``c``'s jobs on two buffer slots: slot s loads on queue s and stores on queue
-    2+s; a slot is reloaded once its previous job is stored; the vector unit starts once the
-    constants (``consts``, queue 0) and the job's loads have landed."""
+    2+s (many stores: on every queue); a slot is reloaded once its previous job is stored; the
+    vector unit (and with ``mxu_reads_consts`` the matrix unit) starts once the constants
+    (``consts``, queue 0) have landed."""
     if not jobs:
         return
     core, slots = kb.core(c), min(2, len(jobs))
@@ -261,25 +319,40 @@ def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs:
             core.dma[0].load(dst, src)
         core.dma[0].signal(ready)
         core.vpu.wait(ready, 1)
+        if mxu_reads_consts:
+            core.mxu.wait(ready, 1)
+    stored_after: list[int] = []  # count of stored[slot] once job j is stored
+    signals = [0] * slots
     for j, job in enumerate(jobs):
         s, use = j % slots, j // slots + 1
         lq, sq = core.dma[s % nq], core.dma[(2 + s) % nq]
-        if use > 1:
-            lq.wait(sem["stored"][s], use - 1)
+        if j >= slots:
+            lq.wait(sem["stored"][s], stored_after[j - slots])
         for dst, src in job.loads:
             lq.load(dst, src)
         lq.signal(sem["loaded"][s])
-        sq.wait(sem["loaded"][s], use)
+        loaded = (sem["loaded"][s], use)
+        sq.wait(*loaded)
         for dst, src in job.passthrough:
             sq.store(dst, src)
         if job.compute is not None:
-            core.vpu.wait(sem["loaded"][s], use)
-            job.compute(core.vpu)
+            core.vpu.wait(*loaded)
+            job.compute(core, loaded)
             core.vpu.signal(sem["done"][s])
-            sq.wait(sem["done"][s], use)
-        for dst, src in job.stores:
-            sq.store(dst, src)
-        sq.signal(sem["stored"][s])
+        queues = [sq] + ([q for q in core.dma if q is not sq] if len(job.stores) > _SPREAD_STORES else [])
+        for k, q in enumerate(queues):
+            share = job.stores[k::len(queues)]
+            if not share and q is not sq:
+                continue
+            if q is not sq and job.compute is None:
+                q.wait(*loaded)
+            if job.compute is not None:
+                q.wait(sem["done"][s], use)
+            for dst, src in share:
+                q.store(dst, src)
+            q.signal(sem["stored"][s])
+            signals[s] += 1
+        stored_after.append(signals[s])
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -298,96 +371,258 @@ def _jobs_needed(sizes: list[int], fits: Callable[[list[int]], bool], what: str)
 
 # --- kv-append ----------------------------------------------------------------------------------
 def _check_kv(shape: dict[str, Any]) -> None:
-    d, kvd = shape["head_dim"], shape["kv_dtype"]
+    d = shape["head_dim"]
     if d % 32:
         raise InvalidArgumentError(f"shape key head_dim={d} must be a multiple of 32: attention-decode "
                                    "contracts over head_dim in 32-element matrix-unit blocks")
-    if kvd != "bf16":
-        raise InvalidArgumentError(
-            f"shape key kv_dtype={kvd!r}: kv-append writes BF16 caches only. An MXFP8 V cache is "
-            "blocked by 32 along tokens, so appending re-quantises a partly filled block along rows, "
-            "which the vector unit's vec.quantize (blocked along columns) does not do")
+
+
+def _kv_buffers(n: int, d: int, fp8: bool) -> tuple[list, list, list]:
+    """Buffers for ``n`` items per job: (per-slot SRAM, shared SRAM, per-slot accumulators), each
+    a list of (name, (rows, cols), dtype); accumulators are FP32."""
+    h = d // 2
+    slot = [("kin", (n, d), "bf16"), ("kout", (n, d), "bf16"), ("v", (n, d), "bf16")]
+    shared = [("t1", (n, h), "f32"), ("t2", (n, h), "f32")]
+    acc: list = []
+    if fp8:  # K codes and scales; the V block (codes, scales), dequantised, transposed, re-quantised
+        slot += [("kq", (n, d), "fp8e4"), ("ks", (n, d // 32), "e8m0"), ("vold", (n * 32, d), "fp8e4"),
+                 ("vold_s", (n, d), "e8m0"), ("vblk", (n * 32, d), "bf16"), ("vt", (n * d, 32), "bf16"),
+                 ("vq", (n * d, 32), "fp8e4"), ("vq_s", (n * d, 1), "e8m0")]
+        acc = [("deq", (n * 32, d), "f32"), ("tr", (n * d, 32), "f32")]
+    return slot, shared, acc
+
+
+def _fp8_job(core: CoreHandle, ready: tuple[Semaphore, int], *, k: int, sem: dict[str, Semaphore], eye: Tile,
+             rot: dict[str, Tile], t: dict[str, Tile], j: int) -> None:
+    """One job of the MXFP8 append on core ``core`` (its k-th): rotate and quantise the keys;
+    re-quantise each item's V block with the new token in row ``j`` (see ``build_kv_append``).
+
+    ``t`` holds the job's tiles: kout, kq, ks (keys), v [n, D] (new values), vold/vold_s (the
+    blocks' codes [n*32, D] and scales [n, D]), vblk [n*32, D], vt [n*D, 32], vq/vq_s (the
+    transposed codes and their scales [n*D, 1]), deq/tr (accumulators).
+    """
+    mxu, vpu = core.mxu, core.vpu
+    n, d = t["v"].rows, t["v"].cols
+    mxu.wait(*ready)
+    for i in range(n):  # I_32 @ codes with the block's scales: the block's values, exactly, in FP32
+        mxu.matmul(t["deq"].sub(i * 32, 0, 32, d), eye.sub(0, 0, 32, 32), t["vold"].sub(i * 32, 0, 32, d),
+                   b_scale=t["vold_s"].sub(i, 0, 1, d), mode="overwrite")
+    mxu.signal(sem["deq"])
+    _rotate_half(vpu, **rot)
+    vpu.quantize(t["kq"], t["ks"], t["kout"])  # blocked along head_dim: one scale per 32 dims
+    vpu.wait(sem["deq"], k + 1)
+    vpu.acc_read(t["vblk"], t["deq"])  # exact: MXFP8 values fit BF16
+    vpu.copy(_rows_every(t["vblk"], j, n, 32), t["v"])  # the new token's row
+    if j < 31:  # slots after it hold no token yet: zero, so they do not raise the block's scale
+        tail = _packed(t["vblk"], n, 32 * d).sub(0, (j + 1) * d, n, (31 - j) * d)
+        vpu.scale(tail, tail, 0.0)
+    vpu.signal(sem["vready"])
+    mxu.wait(sem["vready"], k + 1)
+    for i in range(n):  # I_D @ block^T: the block transposed, exactly, so tokens run along columns
+        mxu.matmul_t(t["tr"].sub(i * d, 0, d, 32), eye, t["vblk"].sub(i * 32, 0, 32, d), mode="overwrite")
+    mxu.signal(sem["tr"])
+    vpu.wait(sem["tr"], k + 1)
+    vpu.acc_read(t["vt"], t["tr"])
+    vpu.quantize(t["vq"], t["vq_s"], t["vt"])  # one scale per (head_dim column, 32 tokens)
+
+
+@dataclass(frozen=True)
+class _KvGeom:
+    """Sizes of one kv-append instance: items = batch*kv_heads (sequence, KV head) pairs, head_dim
+    ``d``, the cache capacity ``cap`` (tokens, padded to 32), the new token's position ``ctx - 1``
+    = 32*``blk`` + ``j``, the K^T row padding ``pad_k`` and its scale rows' ``pad_s``."""
+
+    items: int
+    d: int
+    ctx: int
+    cap: int
+    pad_k: int
+    pad_s: int
+    fp8: bool
+
+    @property
+    def blk(self) -> int:
+        return (self.ctx - 1) // 32
+
+    @property
+    def j(self) -> int:
+        return (self.ctx - 1) % 32
+
+
+def _kv_hbm(kb: KernelBuilder, bsz: int, g: _KvGeom) -> dict[str, Tile]:
+    """The HBM tensors (attention-decode's names and shapes for the caches) and useful views."""
+    d, kvd = g.d, "fp8e4" if g.fp8 else "bf16"
+    t = {"k_new": kb.hbm("k_new", (bsz, g.items * d // bsz), "bf16"),
+         "v_new": kb.hbm("v_new", (bsz, g.items * d // bsz), "bf16"),
+         "rope_cos": kb.hbm("rope_cos", (1, d // 2), "f32"),
+         "rope_sin": kb.hbm("rope_sin", (1, d // 2), "f32"),
+         "k_cache": kb.hbm("k_cache", (g.items * d, g.cap + g.pad_k), kvd),
+         "v_cache": kb.hbm("v_cache", (g.items * g.cap, d), kvd)}
+    if g.fp8:
+        t["k_cache.scales"] = kb.hbm("k_cache.scales", (g.items * d // 32, g.cap + g.pad_s), "e8m0")
+        t["v_cache.scales"] = kb.hbm("v_cache.scales", (g.items * g.cap // 32, d), "e8m0")
+        t["eye"] = kb.hbm("eye", (d, d), "bf16")
+        t["v_blocks"] = _packed(t["v_cache"], g.items * g.cap // 32, 32 * d)  # a row per 32-token block
+    t["k_rows"], t["v_rows"] = _packed(t["k_new"], g.items, d), _packed(t["v_new"], g.items, d)  # b*G + g
+    return t
+
+
+def _kv_bf16_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], rot: dict[str, Tile], i0: int,
+                 n: int) -> _Job:
+    """Items i0..i0+n (BF16): rotate K; V stored as loaded."""
+    d, ctx, cap = g.d, g.ctx, g.cap
+    return _Job(
+        loads=[(tl["kin"], hbm["k_rows"].sub(i0, 0, n, d)), (tl["v"], hbm["v_rows"].sub(i0, 0, n, d))],
+        # row i0*cap + ctx-1 of V, then every cap-th row: the next (sequence, head)'s
+        passthrough=[(_rows_every(hbm["v_cache"], i0 * cap + ctx - 1, n, cap), tl["v"])],
+        compute=functools.partial(_rotate_job, **rot),
+        # column ctx-1 of K^T rows i0*D .. (i0+n)*D: the rotated rows, packed, as a column
+        stores=[(hbm["k_cache"].sub(i0 * d, ctx - 1, n * d, 1), _packed(tl["kout"], n * d, 1))])
+
+
+def _kv_fp8_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], compute: Callable, i0: int,
+                n: int) -> _Job:
+    """Items i0..i0+n (MXFP8): K codes and scales as columns; the V blocks in, re-quantised, and
+    back a token row at a time (see ``build_kv_append``)."""
+    d, ctx, cap, per = g.d, g.ctx, g.cap, g.cap // 32
+    first = i0 * per + g.blk  # item i0's block: a row of v_blocks and of the V scales
+    job = _Job(loads=[(tl["kin"], hbm["k_rows"].sub(i0, 0, n, d)), (tl["v"], hbm["v_rows"].sub(i0, 0, n, d)),
+                      (_packed(tl["vold"], n, 32 * d), _rows_every(hbm["v_blocks"], first, n, per)),
+                      (tl["vold_s"], _rows_every(hbm["v_cache.scales"], first, n, per))],
+               compute=compute)
+    job.stores += [(hbm["k_cache"].sub(i0 * d, ctx - 1, n * d, 1), _packed(tl["kq"], n * d, 1)),
+                   (hbm["k_cache.scales"].sub(i0 * d // 32, ctx - 1, n * d // 32, 1),
+                    _packed(tl["ks"], n * d // 32, 1)),
+                   (_rows_every(hbm["v_cache.scales"], first, n, per), _packed(tl["vq_s"], n, d))]
+    for i in range(n):  # token t of item i is column t of its transposed codes
+        for tok in range(g.j + 1):
+            row = (i0 + i) * cap + g.blk * 32 + tok
+            dst = _packed(hbm["v_cache"], d, 1, byte_off=row * d)
+            job.stores.append((dst, tl["vq"].sub(i * d, tok, d, 1)))
+    return job
+
+
+def _kv_core(kb: KernelBuilder, c: int, items: range, per_job: int, slots: int, g: _KvGeom,
+             hbm: dict[str, Tile]) -> None:
+    """Core ``c``'s share: ``items`` in jobs of ``per_job`` on ``slots`` buffer slots."""
+    d, h = g.d, g.d // 2
+    slot_specs, shared_specs, acc_specs = _kv_buffers(per_job, d, g.fp8)
+    buf = {name: [kb.sram(c, f"{name}{s}", sh, dt) for s in range(slots)] for name, sh, dt in slot_specs}
+    buf |= {name: [kb.acc(c, f"{name}{s}", sh) for s in range(slots)] for name, sh, _ in acc_specs}
+    cos, sin = kb.sram(c, "cos", (1, h), "f32"), kb.sram(c, "sin", (1, h), "f32")
+    consts = [(cos, hbm["rope_cos"]), (sin, hbm["rope_sin"])]
+    t1, t2 = (kb.sram(c, name, sh, dt) for name, sh, dt in shared_specs)
+    if g.fp8:
+        eye = kb.sram(c, "eye", (d, d), "bf16")
+        consts.append((eye, hbm["eye"]))
+        sem = {n: kb.semaphore(f"c{c}.{n}") for n in ("deq", "vready", "tr")}
+    jobs = []
+    for k, i0 in enumerate(range(items.start, items.stop, per_job)):
+        n, s = min(per_job, items.stop - i0), k % slots
+        slot_n, _, acc_n = _kv_buffers(n, d, g.fp8)  # this job's shapes (the last may be smaller)
+        tl = {name: buf[name][s].sub(0, 0, *sh) for name, sh, _ in slot_n + acc_n}
+        x, out = tl["kin"], tl["kout"]
+        rot = {"out1": out.sub(0, 0, n, h), "out2": out.sub(0, h, n, h), "x1": x.sub(0, 0, n, h),
+               "x2": x.sub(0, h, n, h), "cos": cos, "sin": sin, "t1": t1.sub(0, 0, n, h),
+               "t2": t2.sub(0, 0, n, h)}
+        if g.fp8:
+            compute = functools.partial(_fp8_job, k=k, sem=sem, eye=eye, rot=rot, t=tl, j=g.j)
+            jobs.append(_kv_fp8_job(g, hbm, tl, compute, i0, n))
+        else:
+            jobs.append(_kv_bf16_job(g, hbm, tl, rot, i0, n))
+    _emit_core(kb, c, consts, jobs, mxu_reads_consts=g.fp8)
 
 
 def build_kv_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """kv-append: rotate each sequence's new key and write it and its value into the caches."""
+    """kv-append: rotate each sequence's new key and write it and its value into the caches.
+
+    BF16 caches: the rotated K row is stored as a K^T column, the V row as a V row (see the
+    module doc). MXFP8 caches (``kv_dtype`` fp8e4, attention-decode's layout: K^T codes blocked
+    by 32 along head_dim with scales in ``k_cache.scales``, V codes blocked by 32 along tokens with
+    scales in ``v_cache.scales``): the rotated key (rounded to BF16, as the BF16 cache holds it)
+    is quantised on its own, one scale per 32 dims. The value shares its scales with the other
+    tokens of its 32-token block, so the block is re-quantised: its codes are dequantised on the
+    matrix unit (I_32 @ codes, exact), the new token replaces row ``j = (context-1) % 32``, the rows
+    after it (no token yet) become 0, the block is transposed on the matrix unit (I_D @ block^T,
+    exact) so that tokens run along columns, and ``vec.quantize`` gives one scale per (column,
+    32 tokens), as the cache keeps them. Its codes go back one token row per DMA (rows 0..j of
+    each item's block; the transposed codes' column t is token t): (j+1) stores per item. The
+    identity comes from the host (input ``eye``, [head_dim, head_dim] BF16). The padding slots of
+    the block must hold finite codes (attention-decode already needs that: P.V multiplies them by
+    0); earlier tokens keep their values when the new token does not raise the block's scale and
+    are rounded to the new scale otherwise.
+    """
     _check_kv(shape)
     bsz, ctx, hkv, d, kvd = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "kv_dtype"))
-    h, items = d // 2, bsz * hkv
-    cap = -(-ctx // 32) * 32
-    pad_k = spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits  # attention-decode's K^T row padding
+    fp8 = kvd == "fp8e4"
+    h, items, cap = d // 2, bsz * hkv, -(-ctx // 32) * 32
+    # attention-decode's K^T row padding (elements) and that of its scale rows
+    g = _KvGeom(items=items, d=d, ctx=ctx, cap=cap, pad_k=spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits,
+                pad_s=spec.hbm.interleave_bytes, fp8=fp8)
+    pad_k, pad_s = g.pad_k, g.pad_s
     blocks = _split(items, min(spec.core.count, items))
     per_core = blocks[0][1] - blocks[0][0]
-    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 2 * _nbytes(1, h, "f32")
+    consts_bytes = 2 * _nbytes(1, h, "f32") + (_nbytes(d, d, "bf16") if fp8 else 0)
+    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - consts_bytes
 
-    def fits(n: list[int]) -> bool:  # two slots of k in/out and v, one pair of FP32 temporaries
-        g = n[0]
-        return 2 * 3 * _nbytes(g, d, "bf16") + 2 * _nbytes(g, h, "f32") <= budget
+    def fits(n: list[int]) -> bool:
+        slot, shared, acc = (sum(_nbytes(*sh, dt) for _, sh, dt in specs)
+                             for specs in _kv_buffers(n[0], d, fp8))
+        return 2 * slot + shared <= budget and 2 * acc <= spec.sram.accumulator_bytes
 
     n_jobs = _jobs_needed([per_core], fits, f"shape key head_dim={d}: one (sequence, KV head) item "
-                          f"does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+                          f"does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad or "
+                          f"{spec.sram.accumulator_bytes:,} B of accumulators")
     per_job = -(-per_core // n_jobs)
-
     kb = KernelBuilder(f"kv_append_b{bsz}_ctx{ctx}", chip=spec)
-    k_new = kb.hbm("k_new", (bsz, hkv * d), "bf16")
-    v_new = kb.hbm("v_new", (bsz, hkv * d), "bf16")
-    cos_h, sin_h = kb.hbm("rope_cos", (1, h), "f32"), kb.hbm("rope_sin", (1, h), "f32")
-    k_cache = kb.hbm("k_cache", (items * d, cap + pad_k), kvd)
-    v_cache = kb.hbm("v_cache", (items * cap, d), kvd)
-    k_rows, v_rows = _packed(k_new, items, d), _packed(v_new, items, d)  # row b*G + g
+    hbm = _kv_hbm(kb, bsz, g)
     for c, (lo, hi) in enumerate(blocks):
-        cos, sin = kb.sram(c, "cos", (1, h), "f32"), kb.sram(c, "sin", (1, h), "f32")
-        slots = min(2, n_jobs)
-        kin = [kb.sram(c, f"kin{s}", (per_job, d), "bf16") for s in range(slots)]
-        kout = [kb.sram(c, f"kout{s}", (per_job, d), "bf16") for s in range(slots)]
-        vbuf = [kb.sram(c, f"v{s}", (per_job, d), "bf16") for s in range(slots)]
-        t1, t2 = kb.sram(c, "t1", (per_job, h), "f32"), kb.sram(c, "t2", (per_job, h), "f32")
-        jobs = []
-        for j, i0 in enumerate(range(lo, hi, per_job)):
-            n, s = min(per_job, hi - i0), j % slots
-            x, out, v = kin[s].sub(0, 0, n, d), kout[s].sub(0, 0, n, d), vbuf[s].sub(0, 0, n, d)
-            compute = functools.partial(
-                _rotate_half, out1=out.sub(0, 0, n, h), out2=out.sub(0, h, n, h), x1=x.sub(0, 0, n, h),
-                x2=x.sub(0, h, n, h), cos=cos, sin=sin, t1=t1.sub(0, 0, n, h), t2=t2.sub(0, 0, n, h))
-            jobs.append(_Job(
-                loads=[(x, k_rows.sub(i0, 0, n, d)), (v, v_rows.sub(i0, 0, n, d))],
-                # row i0*cap + ctx-1 of V, then every cap-th row: the next (sequence, head)'s
-                passthrough=[(_rows_every(v_cache, i0 * cap + ctx - 1, n, cap), v)],
-                compute=compute,
-                # column ctx-1 of K^T rows i0*D .. (i0+n)*D: the rotated rows, packed, as a column
-                stores=[(k_cache.sub(i0 * d, ctx - 1, n * d, 1), _packed(out, n * d, 1))]))
-        _emit_core(kb, c, [(cos, cos_h), (sin, sin_h)], jobs)
+        _kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm)
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         cos_t, sin_t = yarn_cos_sin(ctx, d)
-        return {
-            "k_new": rng.standard_normal((bsz, hkv * d)).astype(_BF16),
-            "v_new": rng.standard_normal((bsz, hkv * d)).astype(_BF16),
-            "rope_cos": cos_t[ctx - 1:ctx], "rope_sin": sin_t[ctx - 1:ctx],
-            # the whole allocation random (padding included): any byte the kernel must not touch
-            # differs from what it would write
-            "k_cache": rng.standard_normal((items * d, cap + pad_k)).astype(_BF16),
-            "v_cache": rng.standard_normal((items * cap, d)).astype(_BF16),
-        }
+        # The whole allocations random, padding included: a byte the kernel must not touch differs
+        # from what it would write.
+        kc = rng.standard_normal((items * d, cap + pad_k)).astype(np.float32)
+        vc = rng.standard_normal((items * cap, d)).astype(np.float32)
+        ins = {"k_new": rng.standard_normal((bsz, hkv * d)).astype(_BF16),
+               "v_new": rng.standard_normal((bsz, hkv * d)).astype(_BF16),
+               "rope_cos": cos_t[ctx - 1:ctx], "rope_sin": sin_t[ctx - 1:ctx]}
+        if not fp8:
+            return ins | {"k_cache": kc.astype(_BF16), "v_cache": vc.astype(_BF16)}
+        kq, vq = (mx.quantize(jnp.asarray(a), "e4m3", axis=0) for a in (kc, vc))
+        return ins | {"k_cache": np.asarray(kq.codes), "k_cache.scales": np.asarray(kq.scales),
+                      "v_cache": np.asarray(vq.codes), "v_cache.scales": np.asarray(vq.scales),
+                      "eye": np.eye(d, dtype=_BF16)}
+
+    dims = {"batch": bsz, "context": ctx, "kv_heads": hkv, "head_dim": d}
 
     def reference(inputs):
-        kc, vc = kv_append_reference(inputs["k_new"], inputs["v_new"], inputs["rope_cos"], inputs["rope_sin"],
-                                     inputs["k_cache"], inputs["v_cache"], batch=bsz, context=ctx,
-                                     kv_heads=hkv, head_dim=d)
+        args = (inputs["k_new"], inputs["v_new"], inputs["rope_cos"], inputs["rope_sin"])
+        if fp8:
+            return kv_append_fp8_reference(*args, inputs, **dims)
+        kc, vc = kv_append_reference(*args, inputs["k_cache"], inputs["v_cache"], **dims)
         return {"k_cache": kc, "v_cache": vc}
 
+    outputs = {"k_cache": (kvd, (items * d, cap + pad_k)), "v_cache": (kvd, (items * cap, d))}
+    if fp8:
+        outputs |= {"k_cache.scales": ("e8m0", (items * d // 32, cap + pad_s)),
+                    "v_cache.scales": ("e8m0", (items * cap // 32, d))}
     return KernelBuild(
-        program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"k_cache": (kvd, (items * d, cap + pad_k)), "v_cache": (kvd, (items * cap, d))},
-        tolerance=_EXACT,
+        program=kb.build(), make_inputs=make_inputs, reference=reference, outputs=outputs,
+        tolerance=_EXACT_FP8 if fp8 else _EXACT,
         notes={"cores": len(blocks), "items": items, "items_per_core": per_core, "jobs_per_core": n_jobs,
-               "cap": cap, "k_row_pad": pad_k, "bytes_written": items * d * 2 * 2},
+               "cap": cap, "k_row_pad": pad_k, "block_row": g.j,
+               "v_code_stores": items * (g.j + 1) if fp8 else 0},
     )
 
 
 _EXACT = Tolerance(atol=0.0, rtol=0.0, why="bit-exact: the same FP32 vector operations in the same "
                    "order as the reference, one rounding to BF16; every other byte is copied")
+_EXACT_FP8 = Tolerance(atol=0.0, rtol=0.0, why="bit-exact codes and scales: the rotation as in BF16, "
+                       "then the same MX quantisation (jalapeno_emu.mx.quantize) of the same values; "
+                       "the matrix-unit dequantise and transpose are exact")
 
 KV_APPEND = register(KernelDef(
     name="kv-append",
@@ -399,8 +634,8 @@ KV_APPEND = register(KernelDef(
                  "included", minimum=1),
         ShapeKey("kv_heads", int, 2, "KV heads (gpt-oss-120b: 8)", minimum=1),
         ShapeKey("head_dim", int, 64, "head dimension, a multiple of 32 (gpt-oss-120b: 64)", minimum=32),
-        ShapeKey("kv_dtype", str, "bf16", "KV cache element type (fp8e4 is refused: see the error)",
-                 choices=("bf16", "fp8e4")),
+        ShapeKey("kv_dtype", str, "bf16", "KV cache element type; fp8e4 = MXFP8 E4M3 as attention-decode "
+                 "reads it (re-quantises the new token's 32-token V block)", choices=("bf16", "fp8e4")),
     ),
     build=build_kv_append,
 ))
@@ -425,14 +660,14 @@ def _deinterleave_rotate(vpu: EngineHandle, out: Tile, packed: Tile, x1: Tile, x
     _rotate_half(vpu, out.sub(0, 0, n, h), out.sub(0, h, n, h), x1, x2, cos, sin, t1, t2)
 
 
-def _rotate_parts(vpu: EngineHandle, parts: list[tuple[Tile, Tile]], scratch: tuple[Tile, ...], cos: Tile,
-                  sin: Tile) -> None:
+def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int], parts: list[tuple[Tile, Tile]],
+                  scratch: tuple[Tile, ...], cos: Tile, sin: Tile) -> None:
     """``_deinterleave_rotate`` of each (out, packed) pair, on the first rows of the shared
     scratch tiles (x1, x2 BF16 and t1, t2 FP32, each [rows, P/2])."""
     for out, packed in parts:
         n, h = packed.rows, packed.cols // 2
         x1, x2, t1, t2 = (t.sub(0, 0, n, h) for t in scratch)
-        _deinterleave_rotate(vpu, out, packed, x1, x2, cos, sin, t1, t2)
+        _deinterleave_rotate(core.vpu, out, packed, x1, x2, cos, sin, t1, t2)
 
 
 def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:

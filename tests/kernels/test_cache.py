@@ -4,10 +4,12 @@ attention-decode and mla-decode, the YaRN tables, refusals, and full-size timing
 
 import math
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+from jalapeno_emu import mx
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.errors import InvalidArgumentError
@@ -99,13 +101,89 @@ def test_kv_append_then_attention_decode():
 
 
 @pytest.mark.parametrize("context", [1, 32, 40, 8192])
-def test_kv_append_cache_allocations_are_attention_decodes(context):
-    common = {"batch": 3, "context": context, "kv_heads": 2, "head_dim": 64}
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8e4"])
+def test_kv_append_cache_allocations_are_attention_decodes(context, kv_dtype):
+    common = {"batch": 3, "context": context, "kv_heads": 2, "head_dim": 64, "kv_dtype": kv_dtype}
     spec = load_preset("jalapeno-v1")
     _, dec = _build("attention-decode", {**common, "q_heads": 4}, spec)
     _, app = _build("kv-append", common, spec)
     dt, at = (dict(dict(b.program.meta)["tensors"]) for b in (dec, app))
-    assert at["k_cache"] == dt["k_cache"] and at["v_cache"] == dt["v_cache"]
+    names = [n for n in dt if n.startswith(("k_cache", "v_cache"))]
+    assert len(names) == (4 if kv_dtype == "fp8e4" else 2)
+    assert all(at[n] == dt[n] for n in names)
+
+
+# --- kv-append, MXFP8 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [
+    {},  # row 7 of a block: seven earlier tokens re-quantised with the new one
+    {"context": 1},  # a fresh block
+    {"context": 64, "batch": 3, "kv_heads": 3},  # the block's last row; two jobs (accumulators)
+])
+def test_kv_append_fp8_is_bit_exact_on_every_byte(shape):
+    r = run_kernel("kv-append", {**shape, "kv_dtype": "fp8e4"}, check=True)
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
+    assert set(r.check["outputs"]) == {"k_cache", "k_cache.scales", "v_cache", "v_cache.scales"}
+    assert r.notes["v_code_stores"] == r.notes["items"] * (r.notes["block_row"] + 1)
+    if shape.get("batch") == 3:
+        assert r.notes["jobs_per_core"] == 2
+
+
+def _fp8_append(scale_v_new: float, context: int = 40):
+    """(decode shape, logical K^T and V before, after, the kv-append inputs) for an fp8 append of
+    v_new * scale_v_new onto attention-decode's random MXFP8 cache."""
+    common = {"batch": 2, "context": context, "kv_heads": 2, "head_dim": 64, "kv_dtype": "fp8e4"}
+    dshape, dec = _build("attention-decode", {**common, "q_heads": 4})
+    _, app = _build("kv-append", common)
+    din = dec.make_inputs(7)
+    ins = app.make_inputs(8)
+    ins["v_new"] = (np.asarray(ins["v_new"], np.float32) * scale_v_new).astype(BF16)
+    # The slots of the new token's block from the new token on hold no token yet: zero, and the
+    # block's scales those of its tokens (as kv-append leaves a block).
+    items, cap, blk, j = 4, -(-context // 32) * 32, (context - 1) // 32, (context - 1) % 32
+    vals = np.array(mx.dequantize(mx.MXArray(codes=jnp.asarray(din["v_cache"]), fmt="e4m3", axis=0,
+                                             scales=jnp.asarray(din["v_cache.scales"]), block_size=32)))
+    vals = vals.reshape(items, cap, 64)
+    vals[:, blk * 32 + j:(blk + 1) * 32] = 0
+    vq = mx.quantize(jnp.asarray(vals.reshape(items * cap, 64)), "e4m3", axis=0)
+    din["v_cache"], din["v_cache.scales"] = np.asarray(vq.codes), np.asarray(vq.scales)
+    for name in ("k_cache", "k_cache.scales", "v_cache", "v_cache.scales"):
+        ins[name] = din[name]
+    ins.update(rope_cos=din["rope_cos"][context - 1:context], rope_sin=din["rope_sin"][context - 1:context])
+    before = decode_logical_cache(din, dshape)
+    after_in = dict(din, **_run(app, ins))
+    return dshape, dec, before, decode_logical_cache(after_in, dshape), ins, after_in
+
+
+def test_kv_append_fp8_keeps_earlier_tokens_unless_the_scale_rises():
+    # A small new value: every earlier token of the block keeps its value exactly.
+    _, _, (kt0, v0), (kt1, v1), ins, _ = _fp8_append(1 / 64)
+    np.testing.assert_array_equal(v1[:, :, :39], v0[:, :, :39])
+    np.testing.assert_array_equal(np.delete(kt1, 39, axis=3), np.delete(kt0, 39, axis=3))
+    v_new = np.asarray(ins["v_new"], np.float32).reshape(2, 2, 64)
+    # The new value and key within MXFP8 rounding at their blocks' scales: 3 mantissa bits (2^-4
+    # relative), but the OCP floor scale clips a block's largest value in [448, 512) x scale to
+    # 448 x scale (up to 2^-3 relative); 2^-9 of the block's largest value below E4M3's normals.
+    block_max = np.abs(v1[:, :, 32:40]).max(axis=2)
+    assert np.all(np.abs(v1[:, :, 39] - v_new) <= np.maximum(2.0**-3 * np.abs(v_new), 2.0**-9 * block_max))
+    k_rot = rope_rotate_half(np.asarray(ins["k_new"], np.float32).reshape(2, 2, 64), ins["rope_cos"],
+                             ins["rope_sin"])
+    assert np.all(np.abs(kt1[..., 39] - k_rot) <= 2.0**-3 * np.abs(k_rot) + 2.0**-9 * np.abs(k_rot).max())
+    # A large one raises each column's scale: the earlier tokens of its block are rounded to it,
+    # other blocks are untouched.
+    _, _, (_, v0), (_, v1), ins, _ = _fp8_append(256.0)
+    np.testing.assert_array_equal(v1[:, :, :32], v0[:, :, :32])
+    assert not np.array_equal(v1[:, :, 32:39], v0[:, :, 32:39])
+    # each column's new scale: code spacing 2^floor(log2 max) / 8 at the top, finer below
+    step = 2.0 ** np.floor(np.log2(np.abs(v1[:, :, 32:40]).max(axis=2))) / 8
+    assert np.all(np.abs(v1[:, :, 32:39] - v0[:, :, 32:39]) <= step[:, :, None] / 2)
+
+
+def test_kv_append_fp8_then_attention_decode():
+    _, dec, _, _, _, din = _fp8_append(1.0)
+    got = np.asarray(_run(dec, din)["out"], np.float64)
+    want = dec.reference(din)["out"]
+    tol = dec.tolerance
+    assert np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want))
 
 
 # --- mla-append ---------------------------------------------------------------------------------
@@ -211,7 +289,8 @@ def test_kv_append_reference_matches_gpt_oss_rope_table_rows():
     ("kv-append", {"head_dim": 48}, "head_dim=48"),
     ("kv-append", {"context": 0}, "context=0"),
     ("kv-append", {"batch": 0}, "batch=0"),
-    ("kv-append", {"kv_dtype": "fp8e4"}, "kv_dtype='fp8e4'"),
+    ("kv-append", {"kv_dtype": "fp4"}, "kv_dtype='fp4'"),
+    ("kv-append", {"kv_dtype": "fp8e4", "head_dim": 2048}, "head_dim=2048"),
     ("kv-append", {"head_dim": 32768}, "head_dim=32768"),
     ("mla-append", {"rope_dim": 33}, "rope_dim=33"),
     ("mla-append", {"context": 0}, "context=0"),
@@ -223,8 +302,8 @@ def test_impossible_shapes_are_refused(name, shape, match):
 
 
 def test_full_size_timing_is_latency_bound():
-    """gpt-oss-120b (batch 64, 8k context) and DeepSeek-R1 (batch 64, 128 heads) on jalapeno-v1,
-    timing only: each byte moved once, a few microseconds of DMA round trips."""
+    """gpt-oss-120b (batch 64, 8k context; BF16 and MXFP8 caches) and DeepSeek-R1 (batch 64, 128
+    heads) on jalapeno-v1, timing only: each byte moved once, microseconds of DMA round trips."""
     kv = run_kernel("kv-append", dict(batch=64, context=8192, kv_heads=8, head_dim=64),
                     preset="jalapeno-v1", safety_checks=False)
     items, cores = 64 * 8, 64
@@ -232,10 +311,14 @@ def test_full_size_timing_is_latency_bound():
     mla = run_kernel("mla-append", dict(batch=64, context=8192, q_heads=128, nope_dim=128, rope_dim=64,
                                         kv_lora_rank=512), preset="jalapeno-v1", safety_checks=False)
     assert mla.summary["hbm_bytes"] == 2 * 2 * (64 * 128 * 192 + 64 * 576) + cores * 2 * 32 * 4
-    for r in (kv, mla):
+    fp8 = run_kernel("kv-append", dict(batch=64, context=8192, kv_heads=8, head_dim=64, kv_dtype="fp8e4"),
+                     preset="jalapeno-v1", safety_checks=False)
+    # worst case: the block's last row, so 32 token rows of codes go back per (sequence, KV head)
+    assert fp8.notes["block_row"] == 31 and fp8.notes["v_code_stores"] == items * 32
+    for r in (kv, mla, fp8):
         s = r.summary
         assert r.notes["cores"] == 64 and r.notes["jobs_per_core"] == 1
-        assert s["bound"] == "latency" and s["time_s"] < 10e-6
+        assert s["bound"] == "latency" and s["time_s"] < 20e-6
         # launch + a load and a store round trip (set-up + HBM latency each) is the floor
         spec = load_preset("jalapeno-v1")
         assert s["time_s"] >= spec.sync.kernel_launch_s + 2 * (spec.dma.setup_latency_s + spec.hbm.latency_s)

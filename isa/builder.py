@@ -31,7 +31,7 @@ from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
 
-from .legality import check_instruction, integer_points
+from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
 from .table import DTYPES, TABLE, InstrSpec, Space
 
 __all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Semaphore"]
@@ -133,24 +133,29 @@ class EngineHandle:
         rows = self.__dict__.get("_rows", {})
         if name in rows:
             row = rows[name]
+            layout = _LAYOUTS[row.mnemonic]
+            n_operands = len(layout.names)
 
             def method(*a: Any, **k: Any) -> Instruction:
-                return issue(self.engine, row, a, k, _caller_source())
+                source = _caller_source()
+                if k or len(a) != n_operands:
+                    a = _bind(self.engine, row, layout, a, k, source)
+                return layout.issue(kb, self.engine, a, source)
         elif name in _UNARY_OPS and "unary" in rows:
-            unary = rows["unary"]
+            unary = _LAYOUTS[rows["unary"].mnemonic]
 
             def method(dst: Tile, src: Tile) -> Instruction:
-                return issue(self.engine, unary, (name, dst, src), _NO_KWARGS, _caller_source())
+                return unary.issue(kb, self.engine, (name, dst, src), _caller_source())
         elif name in _BINARY_OPS and "binary" in rows:
-            binary = rows["binary"]
+            binary = _LAYOUTS[rows["binary"].mnemonic]
 
             def method(dst: Tile, a: Tile, b: Tile) -> Instruction:
-                return issue(self.engine, binary, (name, dst, a, b), _NO_KWARGS, _caller_source())
+                return binary.issue(kb, self.engine, (name, dst, a, b), _caller_source())
         else:
             raise AttributeError(
                 f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
             )
-        issue = self._kb._issue
+        kb = self._kb
         self.__dict__[name] = method
         return method
 
@@ -284,59 +289,12 @@ class KernelBuilder:
         layout = _LAYOUTS.get(row.mnemonic)
         if layout is None or layout.row is not row:
             layout = _Layout(row)
-        names = layout.names
-        values = args if not kwargs and len(args) == len(names) else \
-            _bind(engine, row, layout, args, kwargs, source)
-        ordered = []
-        # The legality key: what the checks read of each operand (see _Layout). None when an
-        # operand is of an unusual type: the instruction is then checked on its own.
-        key: list | None = [engine.core, engine.unit, engine.queue, row.mnemonic]
-        for name, v, default, points in zip(names, values, layout.defaults, layout.points, strict=True):
-            cls = type(v)
-            if cls is Tile:
-                c, r, cl, st, off = v.core, v.rows, v.cols, v.stride, v.offset
-                if key is not None:
-                    if type(c) is type(r) is type(cl) is type(st) is type(off) is int and off <= _U64_MAX:
-                        key.append((id(v.space), c, v.dtype, r, cl, st, off if layout.with_offset else None))
-                    else:
-                        key = None
-            else:
-                if v is _MISSING:
-                    v = default
-                    if v is _MISSING:
-                        raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}",
-                                                 engine=str(engine), source=source)
-                    cls = type(v)
-                if cls is Semaphore:
-                    v = v.id
-                    cls = type(v)
-                elif cls is MXTensor:
-                    raise IllegalInstruction(
-                        f"operand {name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
-                        engine=str(engine), source=source)
-                if key is not None:
-                    if cls is int and points is not None:
-                        i = bisect_left(points, v)
-                        key.append(2 * i + (i < len(points) and points[i] == v))
-                    elif cls is str or cls is int:
-                        key.append(v)
-                    else:
-                        key.append((cls, v))
-            ordered.append((name, v))
-        ins = Instruction(row.mnemonic, engine, tuple(ordered), source)
-        self._check_legal(ins, key)
-        self._instructions.append(ins)
-        return ins
+        if kwargs or len(args) != len(layout.names):
+            args = _bind(engine, row, layout, args, kwargs, source)
+        return layout.issue(self, engine, args, source)
 
-    def _check_legal(self, ins: Instruction, key: list | None) -> None:
-        """Check ``ins`` against the table unless an instruction with the same key passed."""
-        if key is not None:
-            try:
-                key = tuple(key)
-                if key in self._legal:
-                    return
-            except TypeError:  # an unhashable operand: the check says what is wrong with it
-                key = None
+    def _check_new(self, ins: Instruction, key: tuple | None) -> None:
+        """Check ``ins`` against the table; remember ``key`` as legal if it passes."""
         check_instruction(ins, index=len(self._instructions))
         if key is not None:
             self._legal.add(key)
@@ -354,8 +312,9 @@ class KernelBuilder:
 
 
 _MISSING = object()
-_NO_KWARGS: dict[str, Any] = {}
-_U64_MAX = 2**64 - 1
+_U64_MAX = 2**64 - 1  # binary field widths (isa/encoding.py), checked by legality
+_U32_MAX = 2**32 - 1
+_I32_MAX = 2**31 - 1
 
 
 def _bind(engine: Engine, row: InstrSpec, layout: _Layout, args: tuple, kwargs: dict,
@@ -378,22 +337,118 @@ def _bind(engine: Engine, row: InstrSpec, layout: _Layout, args: tuple, kwargs: 
     return values
 
 
-class _Layout:
-    """What ``_issue`` needs of a table row, worked out once per row.
+def _operand(layout: _Layout, i: int, v: Any, engine: Engine, source: str, base: int) -> tuple[Any, Any]:
+    """Operand ``i``'s value as recorded (default filled in, a Semaphore as its id) and its part of
+    the legality key (None: check the instruction on its own); tile cores are keyed relative to
+    ``base``. The generated issue functions call this for any value that is not of the type the
+    operand usually takes."""
+    row, name = layout.row, layout.names[i]
+    if type(v) is Tile:
+        c, o, r, cl, st = v.core, v.offset, v.rows, v.cols, v.stride
+        if type(c) is type(o) is type(r) is type(cl) is type(st) is int and o <= _U64_MAX \
+                and 0 <= c <= _U32_MAX:
+            rel = c - base if name in layout.cores_read else None
+            return v, (id(v.space), rel, c == 0, v.dtype, r, cl, st, o if layout.with_offset else None)
+        return v, None
+    if v is _MISSING:
+        v = layout.defaults[i]
+        if v is _MISSING:
+            raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}", engine=str(engine),
+                                     source=source)
+    cls = type(v)
+    if cls is Semaphore:
+        v = v.id
+        cls = type(v)
+    elif cls is MXTensor:
+        raise IllegalInstruction(f"operand {name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
+                                 engine=str(engine), source=source)
+    points = layout.points[i]
+    if cls is int and points is not None:
+        j = bisect_left(points, v)
+        return v, 2 * j + (j < len(points) and points[j] == v)
+    if cls is str or cls is int:
+        return v, v
+    return v, (cls, v)
 
-    Legality (``check_instruction``) reads each operand's kind, each tile's space, core, dtype,
-    shape and stride (the offset only through its field range, unless a rule reads it), and the
-    values of the other operands. So an instruction is checked once per distinct key: the engine,
-    the mnemonic, per tile those fields, and per other operand its value, except for integer
-    operands that the rules only compare with constants (``value >= 1``), which are keyed by their
-    position among those constants (``legality.integer_points``): ``sem.wait``'s value differs on
-    almost every call, its verdict on none. Other values are keyed with their type (``True == 1``
-    but only one of them is a legal count). A tile with a field that is not a plain int (a float,
-    a numpy integer) or an offset beyond its field makes the key None: such an instruction is
-    checked on its own.
+
+def _issue_source(layout: _Layout) -> str:
+    """Python source of the row's issue function: ``_operand`` unrolled over the operands, with
+    the common type of each operand tested first, then the instruction and its legality check."""
+    lines = ["def issue(kb, engine, values, source):",
+             f"    {', '.join(f'v{i}' for i in range(len(layout.names)))}, = values",
+             "    base = engine.core"]
+    if layout.relative_cores:
+        lines += ["    if type(base) is int and 0 <= base <= I32:",
+                  "        ekey = True",
+                  "    else:",
+                  "        ekey, base = (type(base), base), 0"]
+    else:
+        lines += ["    ekey, base = (type(base), base), 0"]
+    for i, op in enumerate(layout.row.operands):
+        v, k = f"v{i}", f"k{i}"
+        slow = f"        {v}, {k} = _operand(layout, {i}, {v}, engine, source, base)"
+        if op.kind == "tile":
+            offset = "o" if layout.with_offset else "None"
+            rel = "c - base" if op.name in layout.cores_read else "None"
+            lines += [f"    if type({v}) is Tile:",
+                      f"        c, o, r, cl, st = {v}.core, {v}.offset, {v}.rows, {v}.cols, {v}.stride",
+                      "        if type(c) is type(o) is type(r) is type(cl) is type(st) is int and o <= U64 "
+                      "and 0 <= c <= U32:",
+                      f"            {k} = (id({v}.space), {rel}, c == 0, {v}.dtype, r, cl, st, {offset})",
+                      "        else:",
+                      f"            {k} = None"]
+        elif op.kind in ("imm", "sem") and layout.points[i] is not None:
+            lines += [f"    if type({v}) is Semaphore and type({v}.id) is int:",
+                      f"        {v} = {v}.id",
+                      f"    if type({v}) is int:",
+                      f"        j = bisect_left(P{i}, {v})",
+                      f"        {k} = 2 * j + (j < {len(layout.points[i])} and P{i}[j] == {v})"]
+        else:
+            common = {"enum": "str", "fimm": "float"}.get(op.kind, "int")
+            lines += [f"    if type({v}) is {common}:",
+                      f"        {k} = {v}" if common != "float" else f"        {k} = (float, {v})"]
+        lines += ["    else:", slow]
+    n = len(layout.names)
+    args = ", ".join(f"({name!r}, v{i})" for i, name in enumerate(layout.names))
+    keys = " and ".join(f"k{i} is not None" for i in range(n))
+    lines += [f"    ins = Instruction(MNEMONIC, engine, ({args},), source)",
+              f"    if {keys}:",
+              f"        key = (ekey, engine.unit, engine.queue, MNEMONIC, "
+              f"{', '.join(f'k{i}' for i in range(n))})",
+              "        try:",
+              "            hit = key in kb._legal",
+              "        except TypeError:  # an unhashable operand: the check says what is wrong with it",
+              "            hit, key = False, None",
+              "        if not hit:",
+              "            kb._check_new(ins, key)",
+              "    else:",
+              "        kb._check_new(ins, None)",
+              "    kb._instructions.append(ins)",
+              "    return ins"]
+    return "\n".join(lines) + "\n"
+
+
+class _Layout:
+    """What issuing one table row needs, worked out once per row, including its issue function.
+
+    Legality (``check_instruction``) is checked once per distinct *key*, which holds exactly what
+    the checks read:
+
+    - the engine's unit and queue, and whether its core is a valid core number;
+    - per tile: its space, dtype, rows, cols and stride (the offset too if a rule reads it), its
+      core relative to the engine's if a rule reads it, and whether it is 0 (HBM tiles must be on
+      core 0). Keying cores relative to the engine's is exact because the rules only compare cores
+      with cores (``legality.cores_only_compared_with_cores``, else cores are keyed as they are),
+      so one check covers every core. A tile with a field that is not a plain int (a float, a numpy integer)
+      or outside its binary field makes the key None: the instruction is checked on its own;
+    - per integer operand that the rules only compare with constants (``value >= 1``), its
+      position among those constants and its field's bounds (``legality.integer_points``):
+      ``sem.wait``'s value differs on almost every call, its verdict on none;
+    - per other operand, its value (with its type unless it is an int or str: ``True == 1`` but
+      only one of them is a legal count).
     """
 
-    __slots__ = ("defaults", "names", "points", "row", "with_offset")
+    __slots__ = ("cores_read", "defaults", "issue", "names", "points", "relative_cores", "row", "with_offset")
 
     def __init__(self, row: InstrSpec) -> None:
         self.row = row
@@ -402,6 +457,14 @@ class _Layout:
         self.with_offset = any("offset" in rule for rule in row.rules)
         points = integer_points(row)
         self.points = tuple(points.get(name) for name in self.names)
+        self.relative_cores = cores_only_compared_with_cores(row)
+        self.cores_read = operands_read(row, "core")
+        scope = {"Tile": Tile, "Semaphore": Semaphore, "Instruction": Instruction, "U64": _U64_MAX,
+                 "U32": _U32_MAX, "I32": _I32_MAX,
+                 "bisect_left": bisect_left, "_operand": _operand, "layout": self,
+                 "MNEMONIC": row.mnemonic, **{f"P{i}": p for i, p in enumerate(self.points)}}
+        exec(compile(_issue_source(self), f"<issue {row.mnemonic}>", "exec"), scope)
+        self.issue = scope["issue"]
 
 
 _LAYOUTS = {row.mnemonic: _Layout(row) for row in TABLE}

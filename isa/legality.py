@@ -24,7 +24,7 @@ from jalapeno_emu.errors import IllegalInstruction
 from .table import TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
 
 __all__ = ["ENGINE_UNITS", "canonical", "check_engine", "check_instruction", "check_program", "check_rule",
-           "integer_points"]
+           "cores_only_compared_with_cores", "integer_points", "operands_read"]
 
 ENGINE_UNITS = ("dma", "mxu", "vpu", "link")
 """Engine kinds an ``Engine`` may have (the table's ``unit`` may also be "any")."""
@@ -145,6 +145,46 @@ def integer_points(spec: InstrSpec) -> dict[str, tuple[int, ...]]:
                           if isinstance(node, ast.Constant) and type(node.value) is int)
         out[op.name] = tuple(sorted(points))
     return out
+
+
+_EQUALITY_OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+
+
+def _is_core(node: ast.AST) -> bool:
+    """``core`` or ``<operand>.core``."""
+    return (isinstance(node, ast.Name) and node.id == "core") or \
+        (isinstance(node, ast.Attribute) and node.attr == "core")
+
+
+def cores_only_compared_with_cores(spec: InstrSpec) -> bool:
+    """True when ``spec``'s rules read core numbers (``core``, ``<tile>.core``) only to compare them
+    with each other for equality (``==``, ``!=``, ``in``/``not in`` a tuple of cores).
+
+    Then the rules' verdict is the same for any two instructions whose cores are equal in the same
+    pattern (``dst.core == core`` holds for both or for neither, ...), whatever the numbers: the
+    builder checks an instruction once for all cores instead of once per core.
+    """
+    for rule in spec.rules:
+        tree = _compile_tree(rule)
+        uses = sum(_is_core(node) for node in ast.walk(tree))
+        allowed = 0
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare) or not all(isinstance(op, _EQUALITY_OPS) for op in node.ops):
+                continue
+            terms = [node.left, *node.comparators]
+            flat = [e for t in terms for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            if all(_is_core(t) for t in flat):
+                allowed += len(flat)
+        if allowed != uses:
+            return False
+    return True
+
+
+def operands_read(spec: InstrSpec, attr: str) -> frozenset[str]:
+    """Names of the operands whose ``attr`` (e.g. "core") some rule of ``spec`` reads."""
+    nodes = [node for rule in spec.rules for node in ast.walk(_compile_tree(rule))]
+    return frozenset(node.value.id for node in nodes if isinstance(node, ast.Attribute)
+                     and node.attr == attr and isinstance(node.value, ast.Name))
 
 
 def _compile_tree(rule: str) -> ast.Expression:

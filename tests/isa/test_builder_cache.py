@@ -64,3 +64,30 @@ def test_integer_points_cover_the_rule_constants_and_field_bounds():
                                         OperandSpec("c", "imm")), "sync", "",
                     rules=("a <= b", "c - 1 >= 0", "b >= 0"))
     assert integer_points(row) == {}  # compared with another operand, or in arithmetic: exact values
+
+
+def test_one_check_covers_every_core_but_core_mismatches_are_still_refused():
+    from jalapeno_emu.emu.program import Tile
+    from jalapeno_emu.isa.table import Space
+
+    kb = KernelBuilder("k", chip="tiny")
+    x = kb.hbm("x", (2, 64), "f32")
+    bufs = [kb.sram(c, "buf", (2, 64), "f32") for c in range(2)]
+    for c in range(2):
+        kb.core(c).dma[0].load(bufs[c], x)  # the same check, relative to each engine's core
+    with pytest.raises(IllegalInstruction, match=r"dst\.core == core"):
+        kb.core(1).dma[0].load(bufs[0], x)  # another core's SRAM
+    with pytest.raises(IllegalInstruction, match="HBM tile with core 1"):
+        kb.core(1).dma[0].load(bufs[1], Tile(Space.HBM, 1, x.offset, "f32", 2, 64))
+
+
+def test_cores_are_keyed_as_they_are_when_a_rule_does_more_than_compare_them():
+    import dataclasses
+
+    from jalapeno_emu.isa.legality import cores_only_compared_with_cores
+    from jalapeno_emu.isa.table import by_mnemonic
+
+    load = by_mnemonic("dma.load")
+    assert cores_only_compared_with_cores(load)
+    for rule in ("dst.core + 1 == core", "dst.core < core", "core in (dst.core, 3)", "dst.core == 0"):
+        assert not cores_only_compared_with_cores(dataclasses.replace(load, rules=(rule,)))

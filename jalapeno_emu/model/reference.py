@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu import mx
-from jalapeno_emu.emu.functional import inorder_block_matmul
+from jalapeno_emu.emu.functional import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.kernels.attention_ref import yarn_cos_sin
 
 from .config import ModelConfig
@@ -79,9 +79,32 @@ def _linear(x: jax.Array, w: Any, b: Any | None = None) -> jax.Array:
     return _bf16(y)
 
 
+def _row_sum(x: jax.Array) -> jax.Array:
+    """Sums over the last axis in increasing index order (the vector unit's ``vec.reduce sum``)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return sequential_row_sum(flat).reshape(*x.shape[:-1], 1)
+
+
+def _mxu(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Batched a [..., M, K] @ b [..., K, N] with the matrix unit's summation order (exact
+    products, 32-element K blocks summed in order, blocks added in order); K is zero-padded to a
+    multiple of 32 (zeros change no sum). Leading axes must match."""
+    k = a.shape[-1]
+    pad = -k % 32
+    if pad:
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+        b = jnp.pad(b, [(0, 0)] * (b.ndim - 2) + [(0, pad), (0, 0)])
+    lead = a.shape[:-2]
+    flat_a = a.reshape(-1, *a.shape[-2:])
+    flat_b = b.reshape(-1, *b.shape[-2:])
+    out = jax.vmap(inorder_block_matmul)(flat_a, flat_b)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
 def _rmsnorm(x: jax.Array, w: Any, eps: float) -> jax.Array:
-    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + jnp.float32(eps))
-    return _bf16(x * inv * _f32(w))
+    """y = bf16(x * rsqrt(sum(x^2) * (1/H) + eps) * w), the sum in column order."""
+    ms = _row_sum(x * x) * jnp.float32(1.0 / x.shape[-1])
+    return _bf16((x * jax.lax.rsqrt(ms + jnp.float32(eps))) * _f32(w))
 
 
 def _rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -97,16 +120,18 @@ def _deinterleave(x: jax.Array) -> jax.Array:
 
 
 def _softmax_pv(s: jax.Array, v: jax.Array, sinks: jax.Array | None) -> jax.Array:
-    """softmax(s) @ v with masked entries at -inf, an optional sink column (logit only), P rounded
-    to BF16 for the product, normalised after. s [..., Q, N], v [..., N, Dv]."""
+    """softmax(s) @ v with masked entries at -inf and an optional sink column (a logit in the
+    denominator only). P is rounded to BF16 (the matrix unit's operand) and the denominator sums
+    those BF16 values in key order; the output is scaled by the reciprocal of the denominator.
+    s [..., Q, N], v [..., N, Dv]."""
     m = jnp.max(s, axis=-1, keepdims=True)
     if sinks is not None:
         m = jnp.maximum(m, sinks)
-    p = jnp.exp(s - m)
-    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = _bf16(jnp.exp(s - m))
+    den = _row_sum(p)
     if sinks is not None:
         den = den + jnp.exp(sinks - m)
-    return jnp.einsum("...qn,...nd->...qd", _bf16(p), v, precision="highest") / den
+    return _mxu(p, v) * (jnp.float32(1) / den)
 
 
 def _params(lw: LayerWeights) -> dict[str, Any]:
@@ -153,11 +178,12 @@ def _gqa(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos
     if window:
         valid &= keys[None, :] > pos[:, None] - window
     g = hq // hkv
-    qg = q.reshape(b, s, hkv, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
-    sc = jnp.einsum("bhgsd,bhnd->bhgsn", qg, kc, precision="highest")
-    sc = jnp.where(valid, sc, _MASKED)
-    sinks = p["sinks"].reshape(1, hkv, g, 1, 1) if cfg.sinks else None
-    o = _softmax_pv(sc, vc[:, :, None], sinks)  # [B, Hkv, G, S, D]
+    # a KV head's query rows stacked head by head, as the kernels do: [B, Hkv, G*S, D]
+    qg = q.reshape(b, s, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
+    sc = _mxu(qg, kc.transpose(0, 1, 3, 2))  # [B, Hkv, G*S, cap]
+    sc = jnp.where(jnp.tile(valid, (g, 1)), sc, _MASKED)
+    sinks = jnp.repeat(p["sinks"].reshape(1, hkv, g, 1), s, axis=2) if cfg.sinks else None
+    o = _softmax_pv(sc, vc, sinks).reshape(b, hkv, g, s, d)
     o = _bf16(o).transpose(0, 3, 1, 2, 4).reshape(b * s, hq * d)
     return _linear(o, p["wo"], p["bo"]), (kc, vc)
 
@@ -215,7 +241,8 @@ def route(cfg: ModelConfig, p: dict, y: jax.Array) -> jax.Array:
         if p["router_bias"] is not None:
             logits = logits + p["router_bias"][None]
         vals, ids = jax.lax.top_k(logits, cfg.top_k)
-        w = jax.nn.softmax(vals, axis=-1)
+        e = jnp.exp(vals - vals[:, :1])  # top_k sorts: the first is the max
+        w = e * (jnp.float32(1) / _row_sum(e))
     else:
         scores = jax.nn.sigmoid(logits)
         sel = scores + (p["score_bias"][None] if p["score_bias"] is not None else 0.0)
@@ -227,7 +254,8 @@ def route(cfg: ModelConfig, p: dict, y: jax.Array) -> jax.Array:
             sel = jnp.where(jnp.repeat(gmask, cfg.experts // cfg.n_group, axis=1) > 0, sel, -jnp.inf)
         _, ids = jax.lax.top_k(sel, cfg.top_k)
         chosen = jnp.take_along_axis(scores, ids, axis=1)
-        w = chosen / (chosen.sum(-1, keepdims=True) + jnp.float32(1e-20)) * jnp.float32(cfg.routed_scaling_factor)
+        w = (chosen * (jnp.float32(1) / (_row_sum(chosen) + jnp.float32(1e-20)))) * jnp.float32(
+            cfg.routed_scaling_factor)
     dense = jnp.zeros((y.shape[0], cfg.experts), jnp.float32)
     return dense.at[jnp.arange(y.shape[0])[:, None], ids].add(w)
 

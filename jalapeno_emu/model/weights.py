@@ -91,13 +91,13 @@ def _norm_w(rng: np.random.Generator, n: int) -> np.ndarray:
     return (1.0 + 0.1 * rng.standard_normal(n)).astype(_BF16)
 
 
-def _expert(rng: np.random.Generator, h: int, i: int, fmt: str, bias: bool) -> ExpertWeights:
+def _expert(rng: np.random.Generator, h: int, i: int, fmt: str, bias: bool, out_scale: float) -> ExpertWeights:
     def w(rows: int, cols: int, scale: float) -> Any:
         values = (scale * rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
         return mx.quantize(values, "e2m1", axis=0) if fmt == "fp4" else values.astype(_BF16)
 
-    # gate/up scaled up so that the clamped SwiGLU's limit (7) is reached now and then.
-    ex = ExpertWeights(gate=w(h, i, 3.0), up=w(h, i, 3.0), down=w(i, h, 1.0))
+    # gate/up scaled up a little so that the clamped SwiGLU's limit (7) is reached now and then.
+    ex = ExpertWeights(gate=w(h, i, 2.0), up=w(h, i, 2.0), down=w(i, h, out_scale))
     if bias:
         ex = ExpertWeights(gate=ex.gate, up=ex.up, down=ex.down, gate_bias=_vec(rng, i, 0.1),
                            up_bias=_vec(rng, i, 0.1), down_bias=_vec(rng, h, 0.1))
@@ -106,10 +106,14 @@ def _expert(rng: np.random.Generator, h: int, i: int, fmt: str, bias: bool) -> E
 
 def _layer(cfg: ModelConfig, layer: int, rng: np.random.Generator) -> LayerWeights:
     h = cfg.hidden
+    # GPT-2's scaled initialisation of the projections into the residual stream (1/sqrt(2 L)):
+    # the skip path dominates, as in trained models, so rounding differences do not grow
+    # layer over layer the way they would in a random network of unit-gain blocks.
+    out_scale = 1.0 / np.sqrt(2 * cfg.layers)
     kw: dict[str, Any] = {"attn_norm": _norm_w(rng, h), "ffn_norm": _norm_w(rng, h)}
     if cfg.attention == "gqa":
         qkv = (cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim
-        kw.update(wqkv=_mat(rng, h, qkv), wo=_mat(rng, cfg.q_heads * cfg.head_dim, h))
+        kw.update(wqkv=_mat(rng, h, qkv), wo=_mat(rng, cfg.q_heads * cfg.head_dim, h, out_scale))
         if cfg.attention_bias:
             kw.update(bqkv=_vec(rng, qkv, 0.1), bo=_vec(rng, h, 0.1))
         if cfg.sinks:
@@ -121,7 +125,7 @@ def _layer(cfg: ModelConfig, layer: int, rng: np.random.Generator) -> LayerWeigh
                   wq_b=_mat(rng, cfg.q_lora_rank, cfg.q_heads * qk),
                   w_kv_b=(rng.standard_normal((cfg.q_heads * (cfg.qk_nope_dim + cfg.v_head_dim),
                                                cfg.kv_lora_rank)) / np.sqrt(cfg.kv_lora_rank)).astype(_BF16),
-                  wo=_mat(rng, cfg.q_heads * cfg.v_head_dim, h))
+                  wo=_mat(rng, cfg.q_heads * cfg.v_head_dim, h, out_scale))
     fmt = cfg.expert_weight_fmt
     if cfg.is_moe(layer):
         kw["router"] = _mat(rng, h, cfg.experts)
@@ -129,12 +133,12 @@ def _layer(cfg: ModelConfig, layer: int, rng: np.random.Generator) -> LayerWeigh
             kw["router_bias"] = _vec(rng, cfg.experts, 0.5)
         if cfg.score_bias:
             kw["score_bias"] = (0.05 * rng.standard_normal(cfg.experts)).astype(np.float32)
-        kw["experts"] = tuple(_expert(rng, h, cfg.moe_intermediate, fmt, cfg.expert_bias)
+        kw["experts"] = tuple(_expert(rng, h, cfg.moe_intermediate, fmt, cfg.expert_bias, out_scale)
                               for _ in range(cfg.experts))
-        kw["shared"] = tuple(_expert(rng, h, cfg.moe_intermediate, fmt, cfg.expert_bias)
+        kw["shared"] = tuple(_expert(rng, h, cfg.moe_intermediate, fmt, cfg.expert_bias, out_scale)
                              for _ in range(cfg.shared_experts))
     else:
-        kw["shared"] = (_expert(rng, h, cfg.dense_intermediate, fmt, cfg.expert_bias),)
+        kw["shared"] = (_expert(rng, h, cfg.dense_intermediate, fmt, cfg.expert_bias, out_scale),)
     return LayerWeights(**kw)
 
 

@@ -46,9 +46,8 @@ def _in_builder(filename: str) -> bool:
     return os.path.dirname(os.path.abspath(filename)) == _THIS_DIR
 
 
-@functools.lru_cache(maxsize=256)
-def _basename(filename: str) -> str:
-    return os.path.basename(filename)
+# File name -> its base name, for the files of user code seen so far (never for isa/ files).
+_LABELS: dict[str, str] = {}
 
 
 def _caller_source() -> str:
@@ -57,9 +56,20 @@ def _caller_source() -> str:
     while frame is not None:
         name = frame.f_code.co_filename
         if not _in_builder(name):
-            return f"{_basename(name)}:{frame.f_lineno}"
+            label = _LABELS.get(name)
+            if label is None:
+                label = _LABELS[name] = os.path.basename(name)
+            return f"{label}:{frame.f_lineno}"
         frame = frame.f_back
     return ""
+
+
+def _source_of_caller() -> str:
+    """``_caller_source()`` for an issue method: its caller's frame is usually the kernel's, whose
+    file is then known."""
+    frame = sys._getframe(2)
+    label = _LABELS.get(frame.f_code.co_filename)
+    return f"{label}:{frame.f_lineno}" if label is not None else _caller_source()
 
 
 @dataclass(frozen=True)
@@ -135,22 +145,24 @@ class EngineHandle:
             row = rows[name]
             layout = _LAYOUTS[row.mnemonic]
             n_operands = len(layout.names)
+            pads = layout.pads
 
             def method(*a: Any, **k: Any) -> Instruction:
-                source = _caller_source()
+                source = _source_of_caller()
                 if k or len(a) != n_operands:
-                    a = _bind(self.engine, row, layout, a, k, source)
+                    tail = None if k else pads.get(len(a))
+                    a = a + tail if tail is not None else _bind(self.engine, row, layout, a, k, source)
                 return layout.issue(kb, self.engine, a, source)
         elif name in _UNARY_OPS and "unary" in rows:
             unary = _LAYOUTS[rows["unary"].mnemonic]
 
             def method(dst: Tile, src: Tile) -> Instruction:
-                return unary.issue(kb, self.engine, (name, dst, src), _caller_source())
+                return unary.issue(kb, self.engine, (name, dst, src), _source_of_caller())
         elif name in _BINARY_OPS and "binary" in rows:
             binary = _LAYOUTS[rows["binary"].mnemonic]
 
             def method(dst: Tile, a: Tile, b: Tile) -> Instruction:
-                return binary.issue(kb, self.engine, (name, dst, a, b), _caller_source())
+                return binary.issue(kb, self.engine, (name, dst, a, b), _source_of_caller())
         else:
             raise AttributeError(
                 f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
@@ -448,13 +460,17 @@ class _Layout:
       only one of them is a legal count).
     """
 
-    __slots__ = ("cores_read", "defaults", "issue", "names", "points", "relative_cores", "row", "with_offset")
+    __slots__ = ("cores_read", "defaults", "issue", "names", "pads", "points", "relative_cores", "row",
+                 "with_offset")
 
     def __init__(self, row: InstrSpec) -> None:
         self.row = row
         self.names = tuple(op.name for op in row.operands)
         self.defaults = tuple(op.default if op.optional else _MISSING for op in row.operands)
         self.with_offset = any("offset" in rule for rule in row.rules)
+        # Defaults of trailing optional operands: ``signal(sem)`` is ``signal(sem, 1)``.
+        self.pads = {k: self.defaults[k:] for k in range(len(self.names))
+                     if _MISSING not in self.defaults[k:]}
         points = integer_points(row)
         self.points = tuple(points.get(name) for name in self.names)
         self.relative_cores = cores_only_compared_with_cores(row)

@@ -95,26 +95,52 @@ def _gqa_decode(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dic
     return die.run(launches["o_proj"], {"x": out, "w": lw.wo, "bias": pk.get("bo")})["y"]
 
 
-# --- MLA ----------------------------------------------------------------------------------------
-def _mla_decode(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dict[str, Launch],
-                y: np.ndarray, step: Step) -> np.ndarray:
+def _gqa_prefill(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dict[str, Launch],
+                 y: np.ndarray, step: Step) -> np.ndarray:
     cfg = die.cfg
-    b, ctx, h = step.batch, step.context, cfg.q_heads
+    b, s, prior, hq, hkv, d = step.batch, step.seq, step.prior, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    ctx = prior + s
+    qkv = die.run(launches["qkv_proj"], {"x": y, "w": lw.wqkv, "bias": pk.get("bqkv")})["y"]
+    q, k, v = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
+    att = launches["attention"]
+    rows, width = die.tensor_shape(att, "k_cache")
+    cap = die.tensor_shape(att, "v_cache")[0] // (b * hkv)
+    kt = k.reshape(b, s, hkv, d).transpose(0, 2, 3, 1).reshape(b * hkv * d, s)
+    data = {"q": q, "k": np.ascontiguousarray(kt), "v": v,
+            "k_cache": _k_cache_layout(die.k_cache[i][:, :, :prior], cap, width),
+            "v_cache": _v_cache_layout(die.v_cache[i][:, :, :prior], cap),
+            "rope_cos": die.cos[:ctx], "rope_sin": die.sin[:ctx],
+            "rope_cos_t": np.ascontiguousarray(die.cos[:ctx].T), "rope_sin_t": np.ascontiguousarray(die.sin[:ctx].T)}
+    if cfg.sinks:
+        data["sinks"] = pk["sinks"]
+    got = die.run(att, data)
+    die.k_cache[i][:, :, prior:ctx] = got["k_cache"].reshape(b, hkv, d, width)[..., prior:ctx].transpose(0, 1, 3, 2)
+    die.v_cache[i][:, :, prior:ctx] = got["v_cache"].reshape(b, hkv, cap, d)[:, :, prior:ctx]
+    return die.run(launches["o_proj"], {"x": got["out"], "w": lw.wo, "bias": pk.get("bo")})["y"]
+
+
+# --- MLA ----------------------------------------------------------------------------------------
+def _mla(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dict[str, Launch],
+         y: np.ndarray, step: Step) -> np.ndarray:
+    """MLA for decode (one new token) and prefill (a chunk after ``prior`` cached tokens): the
+    projections, ``mla-append`` writing the new latent rows, then mla-decode / mla-prefill."""
+    cfg = die.cfg
+    b, h, new, ctx = step.batch, cfg.q_heads, step.tokens // step.batch, step.positions
     ql, r, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim
     a = die.run(launches["qkv_a_proj"], {"x": y, "w": lw.wqkv_a})["y"]
     qa = die.run(launches["q_a_norm"], {"x": np.ascontiguousarray(a[:, :ql]), "w": pk["q_a_norm"]})["y"]
     c = die.run(launches["kv_a_norm"], {"x": np.ascontiguousarray(a[:, ql:ql + r]), "w": pk["kv_a_norm"]})["y"]
-    q = die.run(launches["q_b_proj"], {"x": qa, "w": lw.wq_b})["y"].reshape(b * h, -1)
+    q = die.run(launches["q_b_proj"], {"x": qa, "w": lw.wq_b})["y"].reshape(b * new * h, -1)
     lat = np.zeros((b, ctx, r + rope), _BF16)
-    lat[:, :ctx - 1] = die.latent[i][:, :ctx - 1]
-    pos = slice(ctx - 1, ctx)
+    lat[:, :ctx - new] = die.latent[i][:, :ctx - new]
+    pos = slice(ctx - new, ctx)
     got = die.run(launches["mla_append"], {"q": q, "kv_a": np.concatenate([c, a[:, -rope:]], axis=1),
                                            "rope_cos": die.cos[pos], "rope_sin": die.sin[pos],
                                            "kv_cache": lat.reshape(b * ctx, r + rope)})
     cache = got["kv_cache"]
-    die.latent[i][:, ctx - 1] = cache.reshape(b, ctx, r + rope)[:, ctx - 1]
+    die.latent[i][:, ctx - new:ctx] = cache.reshape(b, ctx, r + rope)[:, ctx - new:ctx]
     out = die.run(launches["attention"], {"q": got["q_rot"], "kv_cache": cache, "w_kv_b": lw.w_kv_b})["out"]
-    return die.run(launches["o_proj"], {"x": out.reshape(b, -1), "w": lw.wo})["y"]
+    return die.run(launches["o_proj"], {"x": out.reshape(b * new, -1), "w": lw.wo})["y"]
 
 
 # --- layer --------------------------------------------------------------------------------------
@@ -130,7 +156,7 @@ def run_layer(die: DieModel, i: int, plan: tuple[Launch, ...], step: Step, x: np
     if cfg.attention == "gqa":
         attn = (_gqa_decode if step.phase == "decode" else _gqa_prefill)(die, i, lw, pk, launches, y, step)
     else:
-        attn = (_mla_decode if step.phase == "decode" else _mla_prefill)(die, i, lw, pk, launches, y, step)
+        attn = _mla(die, i, lw, pk, launches, y, step)
     normed = die.run(launches["ffn_norm"], {"x": attn, "residual": h, "w": pk["ffn_norm"]})
     ffn = launches.get("moe") or launches["ffn"]
     out = die.run(ffn, moe_inputs(die, i, ffn, normed["y"]))["y"]

@@ -83,6 +83,20 @@ def _compare(got: np.ndarray, want: np.ndarray) -> dict[str, Any]:
             "near_tie": near_tie, "passed": ok}
 
 
+def prompt_feeds(prompt: np.ndarray, chunk: int = 0) -> list[np.ndarray]:
+    """Split a prompt [batch, P] into the steps that process it: prefill chunks of ``chunk``
+    tokens (0: as one chunk) over the longest multiple of 32 that fits (the prefill kernels
+    contract over keys in 32-token matrix-unit blocks), then the remaining < 32 tokens one decode
+    step each. Raises InvalidArgumentError for a chunk that is not a multiple of 32."""
+    p = prompt.shape[1]
+    if chunk % 32:
+        raise InvalidArgumentError(f"chunk={chunk} must be a multiple of 32 (0: the whole prompt)")
+    bulk = p // 32 * 32
+    chunk = chunk or bulk
+    feeds = [prompt[:, c:min(c + chunk, bulk)] for c in range(0, bulk, chunk)] if bulk else []
+    return feeds + [prompt[:, t:t + 1] for t in range(bulk, p)]
+
+
 def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, chunk: int = 0, seed: int = 0,
              preset: str | ChipSpec = "jalapeno-v1", check: bool = False,
              progress: Any = None) -> Generation:
@@ -91,7 +105,8 @@ def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, 
     Args:
         cfg: a model small enough to materialise (the tiny variants).
         prompt_len: prompt tokens per sequence (>= 1). tokens: tokens to generate (>= 1).
-        batch: sequences. chunk: prefill chunk (0: the whole prompt in one step).
+        batch: sequences. chunk: prefill chunk, a multiple of 32 (0: the whole prompt in one
+            step); see ``prompt_feeds`` for prompts that are not a multiple of 32.
         seed: weights and prompt seed. preset: the chip. check: run the reference alongside.
         progress: called as progress(step_index, total_steps) after each step, if given.
 
@@ -114,8 +129,7 @@ def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, 
         ref = ReferenceModel(cfg, weights, batch=batch, max_positions=total)
     rng = np.random.default_rng(seed + 1)
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len))
-    chunk = chunk or prompt_len
-    feeds = [prompt[:, p:p + chunk] for p in range(0, prompt_len, chunk)]
+    feeds = prompt_feeds(prompt, chunk)
     gen = Generation(model=cfg.name, preset=die.spec.name, prompt=prompt,
                      tokens=np.zeros((batch, 0), np.int64))
     checks = []

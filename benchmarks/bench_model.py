@@ -1,0 +1,87 @@
+"""Model-level speed: timing-only decode step of a full-size model, functional tiny-model steps.
+
+1. Timing-only: the decode step of all 36 gpt-oss-120b layers (plus embedding and logits) at
+   batch 64, context 8192 on jalapeno-v1, from a cold process state (no kernel built yet): what
+   ``jalapeno-emu model --model gpt-oss-120b --phase decode --batch 64`` costs. Goal (issue 5):
+   at most 2 s. Baseline in the same run: the same step's kernels built and timed once each
+   without the layer machinery (StepTimer's cache makes the 36 layers cost 2 layer timings), and
+   the count of distinct launches.
+2. Functional: one decode step of a tiny model on the die (every launch emulated) against one
+   step of the pure-JAX reference forward pass (jitted per layer), both warm (compilation
+   excluded), same weights and caches. Goal (issue 5): at most 3x.
+
+Run: python benchmarks/bench_model.py [--json out.json] [--model tiny-gpt-oss] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from _common import write_json
+
+from jalapeno_emu.model import Step, load_model_config
+from jalapeno_emu.model.die import DieModel
+from jalapeno_emu.model.reference import ReferenceModel
+from jalapeno_emu.model.timing import StepTimer, time_model
+from jalapeno_emu.model.weights import init_weights
+
+
+def timing_only(model: str, batch: int, context: int) -> dict:
+    """Cold wall time of a whole decode step's timing, and what it consisted of."""
+    cfg = load_model_config(model)
+    t0 = time.perf_counter()
+    timer = StepTimer("jalapeno-v1")
+    report = time_model(cfg, Step("decode", batch=batch, context=context), timer=timer)
+    wall = time.perf_counter() - t0
+    return {"model": model, "batch": batch, "context": context, "wall_s": wall,
+            "distinct_launches": report.distinct_launches, "layers": cfg.layers,
+            "step_time_s": report.totals["time_s"], "goal_s": 2.0}
+
+
+def functional(model: str, repeats: int) -> dict:
+    """Warm decode-step wall time on the die against the reference, same weights."""
+    cfg = load_model_config(model)
+    w = init_weights(cfg, 0)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab, (1, 32))
+    total = 32 + 2 + repeats
+    die = DieModel(cfg, w, batch=1, max_positions=total)
+    ref = ReferenceModel(cfg, w, batch=1, max_positions=total)
+    die.forward(prompt)
+    ref.forward(prompt)
+    tok = np.zeros((1, 1), np.int64)
+    die.forward(tok)  # first decode step: compiles what the prefill did not
+    ref.forward(tok)
+    die_s, ref_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        die.forward(tok)
+        die_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ref.forward(tok)
+        ref_s.append(time.perf_counter() - t0)
+    d, r = min(die_s), min(ref_s)
+    return {"model": model, "die_step_s": d, "reference_step_s": r, "ratio": d / r, "goal_ratio": 3.0}
+
+
+def main() -> None:
+    """Run both measurements and print them."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-gpt-oss", help="tiny model for the functional step")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    t = timing_only("gpt-oss-120b", 64, 8192)
+    print(f"timing-only gpt-oss-120b decode, batch 64, context 8192: {t['wall_s']:.2f} s wall "
+          f"({t['distinct_launches']} distinct launches for {t['layers']} layers; goal <= 2 s); "
+          f"step {t['step_time_s'] * 1e3:.3f} ms on the die")
+    f = functional(args.model, args.repeats)
+    print(f"functional {args.model} decode step: die {f['die_step_s'] * 1e3:.1f} ms, reference "
+          f"{f['reference_step_s'] * 1e3:.1f} ms, ratio {f['ratio']:.1f}x (goal <= 3x)")
+    if args.json:
+        write_json(args.json, {"timing_only": t, "functional": f})
+
+
+if __name__ == "__main__":
+    main()

@@ -11,57 +11,81 @@ from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.kernels import get_kernel, run_kernel
-from jalapeno_emu.kernels.moe import expected_distinct_experts, moe_reference, plan_moe, unpack_experts
+from jalapeno_emu.kernels.moe import (
+    expected_distinct_experts,
+    moe_reference,
+    plan_moe,
+    unpack_expert_biases,
+    unpack_experts,
+)
 
 DEEPSEEK_TINY = {"router": "sigmoid_topk", "activation": "silu", "shared_experts": 1,
                  "routed_scaling_factor": 2.5}
 
 
-def _oracle(inputs, shape, spec):
-    """The layer in float64 from the model's definition (no activation quantisation, any order)."""
+def _oracle(inputs, shape, spec, use_biases=True, **route_kw):
+    """The layer in float64 from the model's definition (no activation quantisation, any order):
+    (y [T, H], chosen expert ids [T, k])."""
     p = plan_moe(shape, spec)
     x = np.asarray(inputs["x"], np.float64)
     y = np.zeros_like(x)
     ids = np.zeros((p.t, 0), np.int64)
     if p.e:
-        ids = _route_oracle(inputs, shape, p, x, y)
-    for weights in (unpack_experts(inputs["shared"], p) if p.s else []):
-        y += _ffn_oracle(weights, x, shape)
+        ids, w = _route_oracle(inputs, shape, p, x, **route_kw)
+        routed = unpack_experts(inputs["experts"], p)
+        biases = unpack_expert_biases(inputs["experts"], p) if p.expert_bias and use_biases else [None] * p.e
+        for t in range(p.t):
+            for j in range(p.k):
+                e = ids[t, j]
+                y[t] += w[t, j] * _ffn_oracle(routed[e], x[t:t + 1], shape, biases[e])[0]
+    shared_b = unpack_expert_biases(inputs["shared"], p) if p.s and p.expert_bias and use_biases else \
+        [None] * p.s
+    for weights, b in zip(unpack_experts(inputs["shared"], p) if p.s else [], shared_b, strict=True):
+        y += _ffn_oracle(weights, x, shape, b)
     return y, ids
 
 
-def _ffn_oracle(weights, xs, shape):
+def _ffn_oracle(weights, xs, shape, biases=None):
     g, u, d = (np.asarray(mx.dequantize(a), np.float64) for a in weights)
     gate, up = xs @ g, xs @ u
+    if biases is not None:  # gpt-oss mlp1 bias before the activation
+        gate, up = gate + biases[0], up + biases[1]
     if shape["activation"] == "swiglu_oai":
         gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
         act = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
     else:
         act = gate / (1 + np.exp(-gate)) * up
-    return act @ d
+    return act @ d + (biases[2] if biases is not None else 0.0)  # mlp2 bias, inside the weighting
 
 
-def _route_oracle(inputs, shape, p, x, y):
-    """Adds the routed experts' outputs to y; returns the chosen ids [T, k]."""
+def _route_oracle(inputs, shape, p, x, groups=True, score_bias=True):
+    """(ids [T, k], weights [T, k]): gpt-oss softmax over the top-k biased logits; DeepSeek-V3's
+    MoEGate (HF): sigmoid scores, noaux_tc selection on scores + e_score_correction_bias within
+    the top topk_group groups (group score: the sum of its best two; other groups masked to 0),
+    weights the chosen unbiased scores / (sum + 1e-20) * routed_scaling_factor."""
     panels = np.asarray(inputs["router"], np.float64)
     wr = np.concatenate([panels[r * p.h:(r + 1) * p.h] for r in range(p.router_parts)], axis=1)
     logits = x @ wr
     if shape["router"] == "softmax_topk":
         logits = logits + np.asarray(inputs["router_bias"], np.float64)
-    ids = np.argsort(-logits, axis=1, kind="stable")[:, :p.k]
-    vals = np.take_along_axis(logits, ids, axis=1)
-    if shape["router"] == "softmax_topk":
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :p.k]
+        vals = np.take_along_axis(logits, ids, axis=1)
         w = np.exp(vals - vals[:, :1])
-        w /= w.sum(axis=1, keepdims=True)
-    else:
-        sg = 1 / (1 + np.exp(-vals))
-        w = sg / sg.sum(axis=1, keepdims=True) * shape["routed_scaling_factor"]
-
-    routed = unpack_experts(inputs["experts"], p)
-    for t in range(p.t):
-        for j in range(p.k):
-            y[t] += w[t, j] * _ffn_oracle(routed[ids[t, j]], x[t:t + 1], shape)[0]
-    return ids
+        return ids, w / w.sum(axis=1, keepdims=True)
+    scores = 1 / (1 + np.exp(-logits))
+    sel = scores.copy()
+    if shape["score_bias"] and score_bias:
+        sel = sel + np.asarray(inputs["score_bias"], np.float64)
+    n_group, width = shape["n_group"], p.e // shape["n_group"]
+    if n_group > 1 and groups:
+        group_scores = np.sort(sel.reshape(p.t, n_group, width), axis=-1)[..., -2:].sum(-1)
+        kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :shape["topk_group"]]
+        keep = np.zeros((p.t, n_group))
+        np.put_along_axis(keep, kept, 1.0, axis=1)
+        sel = np.where(np.repeat(keep, width, axis=1) > 0, sel, 0.0)
+    ids = np.argsort(-sel, axis=1, kind="stable")[:, :p.k]
+    w = np.take_along_axis(scores, ids, axis=1)
+    return ids, w / (w.sum(axis=1, keepdims=True) + 1e-20) * shape["routed_scaling_factor"]
 
 
 @pytest.mark.parametrize("act_fmt, model_rel_err", [("fp8e4", 0.1), ("bf16", 0.01)])
@@ -81,6 +105,61 @@ def test_moe_matches_reference_and_model(extra, act_fmt, model_rel_err):
     hit, d = np.unique(ids), r.notes["distinct_experts"]
     padded = np.concatenate([hit, np.full(d - len(hit), hit[-1])])  # spare slots repeat the last
     assert np.array_equal(res.read("expert_ids", "i32", (d, 1))[:, 0], padded)
+
+
+def _run_once(shape, edit=None):
+    """Build (checked), make inputs (``edit`` may change them), run the functional pass once."""
+    kdef, spec = get_kernel("moe"), load_preset("tiny")
+    full = kdef.shape(shape)
+    b = kdef.build(full, spec)
+    check_program(b.program, spec)
+    inputs = b.make_inputs(0)
+    if edit:
+        edit(inputs)
+    return b, full, inputs, run_functional(b.program, inputs)
+
+
+def _rel(got, want):
+    return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+
+
+DEEPSEEK_R1_TINY = {**DEEPSEEK_TINY, "n_group": 4, "topk_group": 2, "score_bias": True, "act_fmt": "bf16"}
+
+
+def test_deepseek_noaux_routing_matches_hf_semantics():
+    """Group-limited top-k on scores + e_score_correction_bias, gated by the unbiased scores."""
+    def stronger_bias(inputs):  # N(0, 0.3): moves the selection, and would move the weights a lot
+        inputs["score_bias"] = inputs["score_bias"] * np.float32(3)
+
+    b, shape, inputs, res = _run_once(DEEPSEEK_R1_TINY, stronger_bias)
+    got = res.read("y")
+    assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
+    spec = load_preset("tiny")
+    want, ids = _oracle(inputs, shape, spec)
+    assert _rel(got, want) < 0.01  # BF16 activations; a wrong expert or weight costs far more
+    p = plan_moe(shape, spec)
+    hit = np.unique(ids)
+    padded = np.concatenate([hit, np.full(p.d - len(hit), hit[-1])])
+    assert np.array_equal(res.read("expert_ids", "i32", (p.d, 1))[:, 0], padded)
+    # The inputs exercise both parts of noaux_tc: each changes some token's choice.
+    x = np.asarray(inputs["x"], np.float64)
+    for off in ({"groups": False}, {"score_bias": False}):
+        other, _ = _route_oracle(inputs, shape, p, x, **off)
+        assert (np.sort(other, axis=1) != np.sort(ids, axis=1)).any(), off
+
+
+def test_gpt_oss_expert_biases_travel_with_the_experts():
+    # gpt-oss has no shared expert; one here also covers the weight-1 bias path.
+    shape = {"expert_bias": True, "shared_experts": 1, "act_fmt": "bf16"}
+    b, full, inputs, res = _run_once(shape)
+    got = res.read("y")
+    assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
+    spec = load_preset("tiny")
+    want, _ = _oracle(inputs, full, spec)
+    assert _rel(got, want) < 0.01
+    assert _rel(got, _oracle(inputs, full, spec, use_biases=False)[0]) > 0.05  # the biases matter
+    h, i = full["hidden"], full["intermediate"]
+    assert b.notes["expert_bytes"] == 51 * h * i // 32 + 2 * 2 * i + 2 * h  # + BF16 mlp1 and mlp2 bias
 
 
 DENSE_TINY = {"experts": 0, "top_k": 1, "shared_experts": 2, "activation": "silu", "intermediate": 96}
@@ -182,6 +261,11 @@ def test_vec_group_semantics_and_padding():
     ({"tokens": 600}, "tokens=600"),
     ({"routed_scaling_factor": 0.0}, "routed_scaling_factor"),
     ({"experts": 0}, "experts=0"),  # a dense FFN needs a shared expert
+    ({"router": "sigmoid_topk", "n_group": 3}, "n_group=3"),  # must divide experts=8
+    ({"router": "sigmoid_topk", "n_group": 2, "topk_group": 3}, "topk_group=3"),
+    ({"router": "sigmoid_topk", "n_group": 4, "topk_group": 1, "top_k": 3}, "top_k=3"),
+    ({"n_group": 2}, "n_group=2"),  # softmax_topk has no groups
+    ({"score_bias": True}, "score_bias=True"),
     ({"experts": 0, "shared_experts": 1, "distinct_experts": 2}, "distinct_experts=2"),
 ])
 def test_impossible_shapes_are_refused_before_building(shape, match):
@@ -214,3 +298,16 @@ def test_full_size_dense_ffn_timing_only():
     assert weights < s["hbm_bytes"] < 1.3 * weights  # + x once per core and y
     # MXFP8 x MXFP4 on 64 of a tile's 128 rows: the matrix unit needs about as long as HBM.
     assert max(s["memory_bound_s"], s["compute_bound_s"]) < s["time_s"] < 2.2 * s["lower_bound_s"]
+
+
+def test_full_size_deepseek_r1_decode_timing_only():
+    shape = {"tokens": 64, "hidden": 7168, "intermediate": 2048, "experts": 256, "top_k": 8,
+             "shared_experts": 1, "router": "sigmoid_topk", "activation": "silu",
+             "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "score_bias": True,
+             "routing": "uniform"}
+    r = run_kernel("moe", shape, preset="jalapeno-v1", check=False, safety_checks=False)
+    s, n = r.summary, r.notes
+    assert n["distinct_experts"] == 223  # ceil(256 * (1 - (1 - 8/256)^64))
+    weights = n["routed_expert_bytes"] + n["shared_expert_bytes"]
+    assert weights < s["hbm_bytes"] < 1.02 * weights
+    assert s["bound"] in ("hbm", "compute") and s["time_s"] < 1.4 * s["lower_bound_s"]

@@ -1,8 +1,16 @@
-"""``jalapeno-emu demo``: MX numerics on an embedded gpt-oss-sized expert weight matrix.
+"""``jalapeno-emu demo``: the whole stack on embedded defaults, in well under a minute.
 
-Until the emulator lands, the demo quantises a synthetic gpt-oss-120b expert gate/up projection
-(2880 x 5760, BF16, blocked along the 2880-long contraction axis) under each scale rule and shows
-bytes, error statistics and time.
+1. A tiny gpt-oss (same structure as gpt-oss-120b, small dimensions, seeded weights) prefills a
+   32-token prompt and generates tokens on the emulated Jalapeño die, every kernel launch run
+   functionally; each step's time, bound and HBM utilisation come from the timing pass, and one
+   decode step is broken down per layer.
+2. The full-size gpt-oss-120b decode step (batch 1 and 64, context 8192), timing-only: per-layer
+   latency, what bounds it, HBM bandwidth utilisation, weights and KV cache against HBM capacity.
+3. The rack estimate (when the rack model is installed): gpt-oss-120b served at 8k/1k.
+
+``demo --numerics`` is the MX numerics demo: a synthetic gpt-oss-120b expert gate/up projection
+(2880 x 5760, BF16, blocked along the 2880-long contraction axis) quantised under each scale rule,
+with bytes, error statistics and time.
 """
 
 from __future__ import annotations
@@ -37,12 +45,15 @@ def synthetic_expert_weight(rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` command."""
-    p = sub.add_parser("demo", help="MXFP4 quantisation of a gpt-oss-sized expert weight")
-    p.add_argument("--fmt", default="e2m1", help="element format (default e2m1 = MXFP4)")
-    p.add_argument("--rows", type=int, default=HIDDEN, help="contraction length (default 2880)")
-    p.add_argument("--cols", type=int, default=GATE_UP, help="output features (default 5760)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weight")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p = sub.add_parser("demo", help="a tiny gpt-oss on the die, then the full-size gpt-oss-120b decode "
+                       "step (--numerics: MXFP4 quantisation of a gpt-oss-sized expert weight)")
+    p.add_argument("--numerics", action="store_true", help="the MX numerics demo instead")
+    p.add_argument("--tokens", type=int, default=8, help="tokens the tiny model generates (default 8)")
+    p.add_argument("--fmt", default="e2m1", help="--numerics: element format (default e2m1 = MXFP4)")
+    p.add_argument("--rows", type=int, default=HIDDEN, help="--numerics: contraction length (default 2880)")
+    p.add_argument("--cols", type=int, default=GATE_UP, help="--numerics: output features (default 5760)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
 
@@ -58,6 +69,15 @@ def _timed(fn, repeats: int = 3) -> tuple[float, object]:
 
 
 def run(app: App, args: argparse.Namespace) -> int:
+    """The stack demo, or with ``--numerics`` the MX numerics demo."""
+    if args.numerics:
+        return run_numerics(app, args)
+    from jalapeno_emu.cli.demo_model import run_model_demo
+
+    return run_model_demo(app, args)
+
+
+def run_numerics(app: App, args: argparse.Namespace) -> int:
     """Quantise the synthetic weight under each scale mode and report."""
     if args.rows <= 0 or args.cols <= 0 or args.rows % 32:
         raise Abort(f"--rows must be a positive multiple of 32 and --cols positive "
@@ -89,7 +109,7 @@ def run(app: App, args: argparse.Namespace) -> int:
             "dequantize_s": dq_s,
         })
     if app.json_output:
-        app.emit_json("demo", {
+        app.emit_json("demo --numerics", {
             "matrix": {"rows": args.rows, "cols": args.cols, "dtype": "bfloat16",
                        "bytes": bf16_bytes, "seed": args.seed, "blocked_axis": 0},
             "fmt": fmt.name, "block_size": 32, "results": rows,

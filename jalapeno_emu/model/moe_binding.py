@@ -28,8 +28,11 @@ def _router_panels(wr: np.ndarray, plan: Any) -> np.ndarray:
 
 
 def _table(experts: tuple, plan: Any) -> np.ndarray:
+    biases = {}
+    if plan.expert_bias:
+        biases = {name: [getattr(e, name) for e in experts] for name in ("gate_bias", "up_bias", "down_bias")}
     return moe_kernel.pack_experts([e.gate for e in experts], [e.up for e in experts],
-                                   [e.down for e in experts], plan)
+                                   [e.down for e in experts], plan, **biases)
 
 
 def moe_inputs(die: DieModel, layer: int, launch: Launch, x: np.ndarray) -> dict[str, Any]:
@@ -45,6 +48,8 @@ def moe_inputs(die: DieModel, layer: int, launch: Launch, x: np.ndarray) -> dict
             packed["experts"] = _table(lw.experts, plan)
             if lw.router_bias is not None:
                 packed["router_bias"] = lw.router_bias[None, :]
+            if lw.score_bias is not None:
+                packed["score_bias"] = np.asarray(lw.score_bias, np.float32)[None, :]
         if lw.shared:
             packed["shared"] = _table(lw.shared, plan)
         cache[key] = packed

@@ -10,9 +10,9 @@ from jalapeno_emu.cli.main import main
 
 
 def test_demo_json_has_every_scale_mode_and_sane_numbers(capsys):
-    assert main(["demo", "--rows", "64", "--cols", "48", "--json"]) == 0
+    assert main(["demo", "--numerics", "--rows", "64", "--cols", "48", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["schema_version"] == 1 and doc["command"] == "demo"
+    assert doc["schema_version"] == 1 and doc["command"] == "demo --numerics"
     assert [r["scale_mode"] for r in doc["results"]] == ["floor", "ceil", "even", "rceil"]
     for r in doc["results"]:
         # 64*48 codes at 4 bits + 2*48 scale bytes
@@ -24,7 +24,7 @@ def test_demo_json_has_every_scale_mode_and_sane_numbers(capsys):
 
 
 def test_demo_table_names_the_scale_rules(capsys):
-    assert main(["demo", "--rows", "32", "--cols", "8"]) == 0
+    assert main(["demo", "--numerics", "--rows", "32", "--cols", "8"]) == 0
     out = capsys.readouterr().out
     for word in ("floor", "ceil", "even", "rceil", "SNR"):
         assert word in out
@@ -33,9 +33,9 @@ def test_demo_table_names_the_scale_rules(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--fmt", "e9m9"], "--fmt='e9m9' is not an MX element format"),
-        (["demo", "--rows", "30"], "--rows must be a positive multiple of 32"),
-        (["demo", "--rows", "abc"], "invalid int value"),
+        (["demo", "--numerics", "--fmt", "e9m9"], "--fmt='e9m9' is not an MX element format"),
+        (["demo", "--numerics", "--rows", "30"], "--rows must be a positive multiple of 32"),
+        (["demo", "--numerics", "--rows", "abc"], "invalid int value"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -47,6 +47,6 @@ def test_user_errors_print_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_console_script_module_runs_as_a_process():
-    proc = subprocess.run([sys.executable, "-m", "jalapeno_emu.cli.main", "demo", "--fmt", "bad"],
+    proc = subprocess.run([sys.executable, "-m", "jalapeno_emu.cli.main", "demo", "--numerics", "--fmt", "bad"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,115 @@
+"""The stack part of ``jalapeno-emu demo``: a tiny gpt-oss on the die, then full-size estimates."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from rich.table import Table
+
+from jalapeno_emu.cli.app import Abort, App
+
+ISL, OSL = 8192, 1024  # the InferenceX headline scenario
+
+
+def _tiny_section(app: App, args: argparse.Namespace) -> dict[str, Any]:
+    from jalapeno_emu.model import load_model_config
+    from jalapeno_emu.model.generate import generate
+
+    cfg = load_model_config("tiny-gpt-oss")
+    app.status("tiny-gpt-oss on the emulated die: prefill a 32-token prompt, then decode "
+               f"{args.tokens} tokens (each kernel launch run functionally)")
+    t0 = time.perf_counter()
+    gen = generate(cfg, prompt_len=32, tokens=args.tokens, seed=args.seed, preset="jalapeno-v1")
+    doc = gen.as_dict()
+    doc["emulation_wall_s"] = time.perf_counter() - t0
+    decode = [s for s in doc["steps"] if s["phase"] == "decode"]
+    last = decode[-1] if decode else doc["steps"][-1]
+    if app.json_output:
+        return doc
+    app.console.print(f"[bold]1. tiny-gpt-oss on the die[/bold] ({cfg.layers} layers, hidden {cfg.hidden}, "
+                      f"{cfg.experts} MXFP4 experts top-{cfg.top_k}, sliding window {cfg.sliding_window}, "
+                      "sinks, YaRN RoPE)")
+    app.console.print(f"   generated tokens: {' '.join(map(str, gen.tokens[0]))}")
+    app.console.print(f"   prefill (32 tokens): {doc['prefill_time_s'] * 1e6:,.1f} µs on the die; decode: "
+                      f"{doc['decode_time_s_per_token'] * 1e6:,.1f} µs per token; emulated in "
+                      f"{doc['emulation_wall_s']:.1f} s of host time")
+    table = Table(title=f"one decode step per layer (positions {last['positions']})")
+    for col, just in (("layer", "left"), ("µs", "right"), ("bound", "left"), ("HBM util", "right")):
+        table.add_column(col, justify=just)
+    for lt in last["layers"]:
+        name = {-1: "embedding"}.get(lt["layer"], "norm+logits" if lt["layer"] == cfg.layers else str(lt["layer"]))
+        table.add_row(name, f"{lt['time_s'] * 1e6:,.1f}", lt["bound"], f"{lt['hbm_utilization']:.1%}")
+    app.console.print(table)
+    return doc
+
+
+def _full_section(app: App) -> dict[str, Any]:
+    from jalapeno_emu.model import Step, load_model_config
+    from jalapeno_emu.model.timing import StepTimer, time_model
+
+    cfg = load_model_config("gpt-oss-120b")
+    timer = StepTimer("jalapeno-v1")
+    out = {}
+    for batch in (1, 64):
+        app.status(f"gpt-oss-120b decode step, batch {batch}, context 8192 (timing-only)")
+        out[f"batch_{batch}"] = time_model(cfg, Step("decode", batch=batch, context=8192), timer=timer).as_dict()
+    if app.json_output:
+        return out
+    app.console.print("[bold]2. gpt-oss-120b decode step on one Jalapeño die[/bold] (context 8192, "
+                      "timing-only at full size)")
+    table = Table()
+    for col, just in (("batch", "right"), ("step ms", "right"), ("tok/s", "right"), ("tok/s/user", "right"),
+                      ("bound", "left"), ("HBM GB", "right"), ("HBM util", "right"), ("weights+KV", "right")):
+        table.add_column(col, justify=just)
+    for key, d in out.items():
+        b = d["batch"]
+        fp = d["footprint"]
+        table.add_row(str(b), f"{d['time_s'] * 1e3:.3f}", f"{b / d['time_s']:,.0f}", f"{1 / d['time_s']:,.0f}",
+                      d["bound"], f"{d['hbm_bytes'] / 1e9:.2f}", f"{d['hbm_utilization']:.1%}",
+                      f"{fp['weight_share'] + fp['kv_share']:.1%} of HBM")
+    app.console.print(table)
+    per_layer = out["batch_1"]["layers"]
+    app.console.print("   batch 1, per layer: " + "; ".join(
+        f"{g['kind']} x{g['count']}: {g['time_s_each'] * 1e6:,.1f} µs ({g['bound']})" for g in per_layer))
+    return out
+
+
+def _rack_section(app: App) -> dict[str, Any] | None:
+    try:
+        from jalapeno_emu.rack.deployment import rack_estimate
+    except ImportError:  # the rack model is not part of this build
+        return None
+    app.status(f"gpt-oss-120b on the rack at {ISL}/{OSL}, concurrency 1 and 64")
+    points = rack_estimate("gpt-oss-120b", "jalapeno-v1", ISL, OSL, (1, 64))
+    if app.json_output:
+        return {"points": points}
+    app.console.print(f"[bold]3. gpt-oss-120b served on the rack[/bold] (ISL/OSL {ISL}/{OSL})")
+    table = Table()
+    for col in ("concurrency", "mapping", "chips", "tok/s/user", "TTFT s", "TPOT ms", "tok/s/chip",
+                "tok/s/kW all-in"):
+        table.add_column(col, justify="left" if col == "mapping" else "right")
+    for p in points:
+        table.add_row(str(p["concurrency"]), str(p["mapping"]), str(p["chips"]),
+                      f"{p['interactivity_tok_s_user']:,.1f}", f"{p['ttft_s']:.3f}", f"{p['tpot_s'] * 1e3:.2f}",
+                      f"{p['throughput_tok_s_per_chip']:,.0f}", f"{p['tok_s_per_kw']['all_in']:,.0f}")
+    app.console.print(table)
+    return {"points": points}
+
+
+def run_model_demo(app: App, args: argparse.Namespace) -> int:
+    """Run the three sections; JSON collects them under ``tiny``, ``gpt_oss_120b`` and ``rack``."""
+    if args.tokens < 1:
+        raise Abort(f"--tokens must be >= 1 (got {args.tokens})")
+    t0 = time.perf_counter()
+    doc = {"tiny": _tiny_section(app, args), "gpt_oss_120b": _full_section(app)}
+    rack = _rack_section(app)
+    if rack is not None:
+        doc["rack"] = rack
+    doc["wall_s"] = time.perf_counter() - t0
+    if app.json_output:
+        app.emit_json("demo", doc)
+    else:
+        app.console.print(f"[dim]demo took {doc['wall_s']:.1f} s[/dim]")
+    return 0

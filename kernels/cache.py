@@ -1,4 +1,5 @@
-"""KV-cache append: the decode step writes its new token into the cache the attention kernels read.
+"""KV-cache append: a decode step (or an MLA prefill chunk) writes its new tokens into the caches
+the attention kernels read.
 
 ``kv-append`` (grouped-query attention, gpt-oss) takes the K and V columns of the QKV projection
 for the new token of every sequence, rotates K (RoPE at position ``context - 1``) and writes
@@ -19,7 +20,11 @@ agree bit for bit::
 
 ``mla-append`` (MLA latent cache, DeepSeek-V3/R1, Kimi K2.5) rotates the rope part of the query
 (``q_rot``; the nope part is copied unchanged) and writes row ``b*context + context - 1`` of
-``kv_cache`` = [c_kv | rope(k_pe)], ``mla-decode``'s layout. The RoPE is DeepSeek-V3's
+``kv_cache`` = [c_kv | rope(k_pe)], ``mla-decode``'s layout. With ``tokens`` > 1 it appends a
+prefill chunk (what ``mla-prefill`` with ``prior`` = context - tokens reads): the new tokens
+sit at positions context-tokens .. context-1, q rows ``(b*tokens + t)*q_heads + h`` and kv_a
+rows ``b*tokens + t`` rotate at position context-tokens+t (row t of the [tokens, rope/2]
+tables) and land in cache rows ``b*context + context-tokens+t``. The RoPE is DeepSeek-V3's
 (``apply_rotary_pos_emb`` of HF ``modeling_deepseek``): the rope dims are de-interleaved (pair
 (x[2i], x[2i+1]) -> x1[i] = x[2i], x2[i] = x[2i+1]), then rotated with rotate-half as above and
 stored in that de-interleaved order, for q and k alike (so scores q.k are those of the interleaved
@@ -37,13 +42,22 @@ column of a block of items is one strided [items*head_dim, 1] store (the K^T row
 ``cap`` rows. The de-interleave of the MLA rope dims is one vector copy per half: the rope part
 is loaded packed, [rows, rope_dim] is viewed as [rows*rope_dim/2, 2], and its two columns are the
 even and the odd dims. A core whose share does not fit its scratchpad walks it in jobs on two
-buffer slots (loads of job j+1 overlap the work on job j).
+buffer slots (loads of job j+1 overlap the work on job j). An MLA chunk's rows have a position
+each: a core loads the table rows of its tokens once, the de-interleave still runs over a whole
+job, and the rotation is six vector instructions per token of query rows (a [q_heads, rope/2]
+block against one broadcast table row) and six per sequence run of latent rows (against the
+run's table rows, one per row); each sequence's run of cache rows is one DMA (whole sequences
+together: one strided DMA).
 
-What bounds them: a few KB per core, so the DMA fixed costs (descriptor set-up, HBM latency) and
-the launch: about two DMA round trips plus a dozen vector instructions. Latency-bound at every size.
+What bounds them: a decode step moves a few KB per core, so the DMA fixed costs (descriptor
+set-up, HBM latency) and the launch: about two DMA round trips plus a dozen vector instructions.
+Latency-bound at every batch size.
 The MXFP8 append adds two matrix-unit passes per item and (j+1) small stores per item (the block's
 token rows 0..j, j = (context-1) % 32), which take up to four rounds of DMA set-up at 8 items per
-core (13.5 us on jalapeno-v1 at j = 31, against 5.6 us for BF16).
+core (13.5 us on jalapeno-v1 at j = 31, against 5.6 us for BF16). An MLA prefill chunk moves
+MBs per core and is HBM-bound: q's nope part goes back while the vector unit rotates, and the
+core takes at least two jobs so that loads overlap stores (DeepSeek-R1, 2048 tokens: 207 MB in
+18.4 us on jalapeno-v1, 1.09x launch + the busiest channel's time).
 """
 
 from __future__ import annotations
@@ -228,22 +242,26 @@ def kv_append_fp8_reference(k_new, v_new, rope_cos, rope_sin, caches: Mapping[st
 
 
 def mla_append_reference(q, kv_a, rope_cos, rope_sin, kv_cache, *, batch: int, context: int, q_heads: int,
-                         nope_dim: int, rope_dim: int, kv_lora_rank: int) -> tuple[np.ndarray, np.ndarray]:
+                         nope_dim: int, rope_dim: int, kv_lora_rank: int,
+                         tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(q_rot, kv_cache) after ``mla-append``, BF16 arrays of the inputs' shapes.
 
-    q_rot[r] = [q_nope[r] | rope(q_pe[r])] for every row r = b*q_heads + h;
-    kv_cache[b*context + context-1] = [c_kv[b] | rope(k_pe[b])]; rope = ``rope_deinterleaved``.
+    With ``tokens`` new tokens per sequence at positions p = context-tokens+t (t < tokens) and
+    ``rope_cos``/``rope_sin`` [tokens, rope_dim/2] (row t: position p), rope = ``rope_deinterleaved``:
+    q_rot[r] = [q_nope[r] | rope(q_pe[r], row t)] for every row r = (b*tokens + t)*q_heads + h;
+    kv_cache[b*context + p] = [c_kv[g] | rope(k_pe[g], row t)] for kv_a row g = b*tokens + t.
     """
-    cos = np.asarray(rope_cos, np.float32).reshape(1, -1)
-    sin = np.asarray(rope_sin, np.float32).reshape(1, -1)
-    n, r = nope_dim, kv_lora_rank
-    qq = np.asarray(q, np.float32).reshape(batch * q_heads, n + rope_dim)
-    q_rot = np.concatenate([qq[:, :n], rope_deinterleaved(qq[:, n:], cos, sin)], axis=1).astype(_BF16)
-    kv = np.asarray(kv_a, np.float32).reshape(batch, r + rope_dim)
-    row = np.concatenate([kv[:, :r], rope_deinterleaved(kv[:, r:], cos, sin)], axis=1).astype(_BF16)
-    cache = np.array(kv_cache, dtype=_BF16, copy=True)
-    cache[np.arange(batch) * context + context - 1] = row
-    return q_rot, cache
+    n, r, t = nope_dim, kv_lora_rank, tokens
+    cos = np.asarray(rope_cos, np.float32).reshape(t, -1)
+    sin = np.asarray(rope_sin, np.float32).reshape(t, -1)
+    qq = np.asarray(q, np.float32).reshape(batch, t, q_heads, n + rope_dim)
+    q_pe = rope_deinterleaved(qq[..., n:], cos[None, :, None], sin[None, :, None])
+    q_rot = np.concatenate([qq[..., :n], q_pe], axis=-1).astype(_BF16).reshape(batch * t * q_heads, -1)
+    kv = np.asarray(kv_a, np.float32).reshape(batch, t, r + rope_dim)
+    rows = np.concatenate([kv[..., :r], rope_deinterleaved(kv[..., r:], cos[None], sin[None])], axis=-1)
+    cache = np.array(kv_cache, dtype=_BF16, copy=True).reshape(batch, context, r + rope_dim)
+    cache[:, context - t:] = rows.astype(_BF16)
+    return q_rot, cache.reshape(np.shape(kv_cache))
 
 
 # --- tiles ------------------------------------------------------------------------------------
@@ -643,43 +661,173 @@ KV_APPEND = register(KernelDef(
 
 # --- mla-append ---------------------------------------------------------------------------------
 def _check_mla(shape: dict[str, Any]) -> None:
-    p = shape["rope_dim"]
+    p, t, c = shape["rope_dim"], shape["tokens"], shape["context"]
     if p % 2:
         raise InvalidArgumentError(f"shape key rope_dim={p} must be even: RoPE rotates pairs of dims")
+    if t > c:
+        raise InvalidArgumentError(f"shape key tokens={t} must be <= context={c}: the new tokens sit at "
+                                   "positions context-tokens .. context-1 of each sequence")
+
+
+@dataclass(frozen=True)
+class _RopeWindow:
+    """The RoPE table rows one core keeps in SRAM, for its global tokens ``first`` .. ``last``
+    (token g = b*tokens + t is at position t = g % tokens).
+
+    When the core's tokens cover a whole chunk's worth (``last - first + 1 >= tokens``) it keeps
+    the whole table and SRAM row t is table row t (position context-tokens+t); otherwise only
+    its ``last - first + 1`` tokens' rows, SRAM row k being token ``first + k`` (a run across a
+    sequence boundary wraps the positions, so it is loaded in two pieces). Either way a run of
+    consecutive tokens of one sequence reads consecutive SRAM rows.
+    """
+
+    first: int
+    last: int
+    tokens: int
+
+    @property
+    def whole(self) -> bool:
+        return self.last - self.first + 1 >= self.tokens
+
+    @property
+    def rows(self) -> int:
+        return self.tokens if self.whole else self.last - self.first + 1
+
+    def row(self, g: int) -> int:
+        """SRAM row of global token ``g``'s cos and sin."""
+        return g % self.tokens if self.whole else g - self.first
+
+    def loads(self, sram: Tile, table: Tile) -> list[tuple[Tile, Tile]]:
+        """(SRAM dst, HBM src) DMAs that fill ``sram`` [rows, P/2] from ``table`` [tokens, P/2]."""
+        if self.whole:
+            return [(sram, table)]
+        p0, n, cols = self.first % self.tokens, self.rows, table.cols
+        head = min(n, self.tokens - p0)  # positions p0.. up to the end of the sequence's chunk
+        out = [(sram.sub(0, 0, head, cols), table.sub(p0, 0, head, cols))]
+        if head < n:  # then the next sequence's first positions
+            out.append((sram.sub(head, 0, n - head, cols), table.sub(0, 0, n - head, cols)))
+        return out
+
+
+def _rope_window(q_rows: tuple[int, int], kv_rows: tuple[int, int], q_heads: int, tokens: int) -> _RopeWindow:
+    """The window of a core with query rows [lo, hi) (row g*q_heads + h) and latent rows [lo, hi)
+    (row g); an empty range takes no part."""
+    spans = [(lo // per, (hi - 1) // per) for (lo, hi), per in ((q_rows, q_heads), (kv_rows, 1)) if lo < hi]
+    return _RopeWindow(min(s[0] for s in spans), max(s[1] for s in spans), tokens)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Rows ``row`` .. ``row + rows`` of a part that rotate with SRAM table rows ``cos_row`` ..:
+    one row broadcast to all of them (``step`` 0: one position) or one row each (``step`` 1)."""
+
+    row: int
+    rows: int
+    cos_row: int
+    step: int
+
+    def table(self, t: Tile) -> Tile:
+        return t.sub(self.cos_row, 0, self.rows if self.step else 1, t.cols)
+
+
+def _rope_segments(r0: int, r1: int, per_token: int, window: _RopeWindow) -> list[_Segment]:
+    """Rows [r0, r1) (``per_token`` consecutive rows per token, token = row // per_token) cut into
+    as few segments as possible: rows sharing a table row merge (a token's q_heads query rows; with
+    one token per sequence every row of a job), and single-row tokens whose table rows follow each
+    other merge into one [rows, P/2] table operand (a sequence's run of latent rows)."""
+    segs: list[_Segment] = []
+    for g in range(r0 // per_token, (r1 - 1) // per_token + 1):
+        lo, hi = max(r0, g * per_token), min(r1, (g + 1) * per_token)
+        cr = window.row(g)
+        if segs:
+            s = segs[-1]
+            if cr == s.cos_row and s.step == 0:  # same position (one token; or tokens == 1)
+                segs[-1] = _Segment(s.row, s.rows + hi - lo, cr, 0)
+                continue
+            if per_token == 1 and cr == s.cos_row + s.rows and (s.step == 1 or s.rows == 1):
+                segs[-1] = _Segment(s.row, s.rows + 1, s.cos_row, 1)
+                continue
+        segs.append(_Segment(lo - r0, hi - lo, cr, 0))
+    return segs
 
 
 def _deinterleave_rotate(vpu: EngineHandle, out: Tile, packed: Tile, x1: Tile, x2: Tile, cos: Tile,
-                         sin: Tile, t1: Tile, t2: Tile) -> None:
+                         sin: Tile, t1: Tile, t2: Tile, segments: list[_Segment]) -> None:
     """out [n, P] = DeepSeek RoPE of ``packed`` [n, P] (BF16, packed rows): its [n*P/2, 2] view's
-    columns are the even and odd dims, copied (exactly) into x1, x2 [n, P/2], then rotate-half."""
+    columns are the even and odd dims, copied (exactly) into x1, x2 [n, P/2] for all n rows at
+    once, then rotate-half per segment with the segment's rows of ``cos``/``sin`` (SRAM tables
+    [rows, P/2])."""
     n, p = packed.rows, packed.cols
     h = p // 2
     pairs = n * h
     vpu.copy(_packed(x1, pairs, 1), _packed(packed, pairs, 1, stride=4))
     vpu.copy(_packed(x2, pairs, 1), _packed(packed, pairs, 1, byte_off=2, stride=4))
-    _rotate_half(vpu, out.sub(0, 0, n, h), out.sub(0, h, n, h), x1, x2, cos, sin, t1, t2)
+    for s in segments:
+        r, m = s.row, s.rows
+        _rotate_half(vpu, out.sub(r, 0, m, h), out.sub(r, h, m, h), x1.sub(r, 0, m, h), x2.sub(r, 0, m, h),
+                     s.table(cos), s.table(sin), t1.sub(r, 0, m, h), t2.sub(r, 0, m, h))
 
 
-def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int], parts: list[tuple[Tile, Tile]],
+def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int], parts: list[tuple[Tile, Tile, list]],
                   scratch: tuple[Tile, ...], cos: Tile, sin: Tile) -> None:
-    """``_deinterleave_rotate`` of each (out, packed) pair, on the first rows of the shared
-    scratch tiles (x1, x2 BF16 and t1, t2 FP32, each [rows, P/2])."""
-    for out, packed in parts:
+    """``_deinterleave_rotate`` of each (out, packed, segments) part, on the first rows of the
+    shared scratch tiles (x1, x2 BF16 and t1, t2 FP32, each [rows, P/2])."""
+    for out, packed, segments in parts:
         n, h = packed.rows, packed.cols // 2
         x1, x2, t1, t2 = (t.sub(0, 0, n, h) for t in scratch)
-        _deinterleave_rotate(core.vpu, out, packed, x1, x2, cos, sin, t1, t2)
+        _deinterleave_rotate(core.vpu, out, packed, x1, x2, cos, sin, t1, t2, segments)
+
+
+def _cache_stores(cache: Tile, rows: Tile, g0: int, tokens: int, context: int) -> list[tuple[Tile, Tile]]:
+    """(HBM dst, SRAM src) stores of latent rows g0 .. g0 + rows.rows (``rows`` packed [n, W], row
+    g = b*tokens + t) to cache rows b*context + context - tokens + t: a run of whole sequences
+    as one strided DMA of [sequences, tokens*W] (one new row per sequence: every context-th
+    row), a partial sequence at either end as one contiguous DMA."""
+    out = []
+    g, g1, w, rb = g0, g0 + rows.rows, rows.cols, cache.stride
+    while g < g1:
+        b, t = divmod(g, tokens)
+        if t == 0 and g1 - g >= tokens:
+            k = (g1 - g) // tokens
+            first = cache.offset + (b * context + context - tokens) * rb
+            dst = Tile(cache.space, cache.core, first, cache.dtype, k, tokens * w, context * rb)
+            out.append((dst, _packed(rows, k, tokens * w, byte_off=(g - g0) * rows.stride)))
+            g += k * tokens
+        else:
+            n = min(g1, (b + 1) * tokens) - g
+            out.append((cache.sub(b * context + context - tokens + t, 0, n, w), rows.sub(g - g0, 0, n, w)))
+            g += n
+    return out
 
 
 def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """mla-append: rotate the rope part of q and of the new latent row, write the row into the cache."""
+    """mla-append: rotate the rope part of q and of the new latent rows, write the rows into the cache.
+
+    ``tokens`` new tokens per sequence at positions context-tokens .. context-1 (1: a decode
+    step; more: a prefill chunk). Inputs (HBM): q [batch*tokens*q_heads, nope+rope] BF16 (row
+    (b*tokens + t)*q_heads + h), kv_a [batch*tokens, kv_lora_rank + rope] BF16 (row b*tokens + t),
+    rope_cos / rope_sin [tokens, rope/2] F32 (row t: position context-tokens+t), kv_cache
+    [batch*context, kv_lora_rank + rope] BF16. Outputs: q_rot (q's layout) and kv_cache with rows
+    b*context + context-tokens+t written, every other byte as it was.
+
+    Query rows and latent rows are split over the cores in contiguous blocks (a core's tokens
+    are then mostly the same for both); each core loads the RoPE table rows of its tokens once
+    (``_RopeWindow``). The de-interleave runs over a whole job; the rotation takes six vector
+    instructions per token of query rows ([q_heads, P/2] blocks with a broadcast table row) and
+    six per sequence run of latent rows (the run's table rows, one per row).
+    """
     _check_mla(shape)
-    B, C, H = shape["batch"], shape["context"], shape["q_heads"]
+    B, C, T, H = shape["batch"], shape["context"], shape["tokens"], shape["q_heads"]
     N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
     h, wq, wk = P // 2, N + P, R + P
-    cores = min(spec.core.count, B * H)
-    q_blocks, kv_blocks = _split(B * H, cores), _split(B, cores)
+    cores = min(spec.core.count, B * T * H)
+    q_blocks, kv_blocks = _split(B * T * H, cores), _split(B * T, cores)
     q_per, kv_per = q_blocks[0][1] - q_blocks[0][0], kv_blocks[0][1] - kv_blocks[0][0]
-    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 2 * _nbytes(1, h, "f32")
+    n_cores = max(len(q_blocks), len(kv_blocks))
+    windows = [_rope_window(q_blocks[c] if c < len(q_blocks) else (0, 0),
+                            kv_blocks[c] if c < len(kv_blocks) else (0, 0), H, T) for c in range(n_cores)]
+    table_rows = max(w.rows for w in windows)
+    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 2 * _nbytes(table_rows, h, "f32")
 
     def fits(n: list[int]) -> bool:  # per slot the row buffers and packed rope parts; shared scratch
         nq, nk = n
@@ -688,18 +836,26 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         return 2 * slot + 2 * _nbytes(rows, h, "bf16") + 2 * _nbytes(rows, h, "f32") <= budget
 
     n_jobs = _jobs_needed([q_per, kv_per], fits,
-                          f"shape keys nope_dim={N}, rope_dim={P}, kv_lora_rank={R}: one query row and one "
-                          f"cache row do not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+                          f"shape keys nope_dim={N}, rope_dim={P}, kv_lora_rank={R}, tokens={T}: one query "
+                          f"row and one cache row, with {table_rows} RoPE table rows, do not fit "
+                          f"{spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+    if T > 1 and q_per >= 2 * H:
+        # A prefill chunk moves MBs per core: two jobs at least, so that the second's load
+        # overlaps the first's rotation and stores (at DeepSeek-R1's 2048-token chunk 19.9 -> 18.4
+        # us); a decode step (tokens 1) is latency-bound and keeps the fewest jobs.
+        n_jobs = max(n_jobs, 2)
     nq_job, nk_job = -(-q_per // n_jobs), -(-kv_per // n_jobs)
 
-    kb = KernelBuilder(f"mla_append_b{B}_c{C}_h{H}", chip=spec)
-    q_h = kb.hbm("q", (B * H, wq), "bf16")
-    kva_h = kb.hbm("kv_a", (B, wk), "bf16")
-    cos_h, sin_h = kb.hbm("rope_cos", (1, h), "f32"), kb.hbm("rope_sin", (1, h), "f32")
+    kb = KernelBuilder(f"mla_append_b{B}_c{C}_h{H}" + (f"_t{T}" if T > 1 else ""), chip=spec)
+    q_h = kb.hbm("q", (B * T * H, wq), "bf16")
+    kva_h = kb.hbm("kv_a", (B * T, wk), "bf16")
+    cos_h, sin_h = kb.hbm("rope_cos", (T, h), "f32"), kb.hbm("rope_sin", (T, h), "f32")
     cache_h = kb.hbm("kv_cache", (B * C, wk), "bf16")
-    qrot_h = kb.hbm("q_rot", (B * H, wq), "bf16")
-    for c in range(max(len(q_blocks), len(kv_blocks))):
-        cos, sin = kb.sram(c, "cos", (1, h), "f32"), kb.sram(c, "sin", (1, h), "f32")
+    qrot_h = kb.hbm("q_rot", (B * T * H, wq), "bf16")
+    vector_instructions = 0
+    for c in range(n_cores):
+        win = windows[c]
+        cos, sin = kb.sram(c, "cos", (win.rows, h), "f32"), kb.sram(c, "sin", (win.rows, h), "f32")
         slots = min(2, n_jobs)
         rows = max(nq_job, nk_job)
         sizes = (("q", nq_job, wq), ("qpe", nq_job, P), ("kv", nk_job, wk), ("kpe", nk_job, P))
@@ -717,28 +873,34 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                 n, qb, pe = r1 - r0, buf["q"][s], buf["qpe"][s]
                 job.loads += [(qb.sub(0, 0, n, N), q_h.sub(r0, 0, n, N)),
                               (pe.sub(0, 0, n, P), q_h.sub(r0, N, n, P))]
-                job.stores.append((qrot_h.sub(r0, 0, n, wq), qb.sub(0, 0, n, wq)))
-                parts.append((qb.sub(0, N, n, P), pe.sub(0, 0, n, P)))
+                if T == 1:  # latency-bound: one store of whole rows after the rotation
+                    job.stores.append((qrot_h.sub(r0, 0, n, wq), qb.sub(0, 0, n, wq)))
+                else:  # the nope part (2/3 of the bytes) goes back while the vector unit rotates
+                    job.passthrough.append((qrot_h.sub(r0, 0, n, N), qb.sub(0, 0, n, N)))
+                    job.stores.append((qrot_h.sub(r0, N, n, P), qb.sub(0, N, n, P)))
+                parts.append((qb.sub(0, N, n, P), pe.sub(0, 0, n, P), _rope_segments(r0, r1, H, win)))
             b0, b1 = k_lo + j * nk_job, min(k_hi, k_lo + (j + 1) * nk_job)
-            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*C + C-1 of the cache
+            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*C + C-T+t of the cache
                 n, row, pe = b1 - b0, buf["kv"][s], buf["kpe"][s]
                 job.loads += [(row.sub(0, 0, n, R), kva_h.sub(b0, 0, n, R)),
                               (pe.sub(0, 0, n, P), kva_h.sub(b0, R, n, P))]
-                job.stores.append((_rows_every(cache_h, b0 * C + C - 1, n, C), row.sub(0, 0, n, wk)))
-                parts.append((row.sub(0, R, n, P), pe.sub(0, 0, n, P)))
+                job.stores += _cache_stores(cache_h, row.sub(0, 0, n, wk), b0, T, C)
+                parts.append((row.sub(0, R, n, P), pe.sub(0, 0, n, P), _rope_segments(b0, b1, 1, win)))
             if parts:
+                vector_instructions += sum(2 + 6 * len(segs) for _, _, segs in parts)
                 job.compute = functools.partial(_rotate_parts, parts=parts, scratch=scratch, cos=cos, sin=sin)
                 jobs.append(job)
-        _emit_core(kb, c, [(cos, cos_h), (sin, sin_h)], jobs)
+        _emit_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs)
 
-    dims = {"batch": B, "context": C, "q_heads": H, "nope_dim": N, "rope_dim": P, "kv_lora_rank": R}
+    dims = {"batch": B, "context": C, "tokens": T, "q_heads": H, "nope_dim": N, "rope_dim": P,
+            "kv_lora_rank": R}
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         cos_t, sin_t = deepseek_yarn_cos_sin(C, P)
-        return {"q": rng.standard_normal((B * H, wq)).astype(_BF16),
-                "kv_a": rng.standard_normal((B, wk)).astype(_BF16),
-                "rope_cos": cos_t[C - 1:C], "rope_sin": sin_t[C - 1:C],
+        return {"q": rng.standard_normal((B * T * H, wq)).astype(_BF16),
+                "kv_a": rng.standard_normal((B * T, wk)).astype(_BF16),
+                "rope_cos": cos_t[C - T:C], "rope_sin": sin_t[C - T:C],
                 "kv_cache": rng.standard_normal((B * C, wk)).astype(_BF16)}
 
     def reference(inputs):
@@ -748,21 +910,26 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
 
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"q_rot": ("bf16", (B * H, wq)), "kv_cache": ("bf16", (B * C, wk))},
+        outputs={"q_rot": ("bf16", (B * T * H, wq)), "kv_cache": ("bf16", (B * C, wk))},
         tolerance=_EXACT,
         notes={"cores": len(q_blocks), "q_rows_per_core": q_per, "cache_rows_per_core": kv_per,
-               "jobs_per_core": n_jobs, "bytes_written": (B * H * wq + B * wk) * 2},
+               "jobs_per_core": n_jobs, "tokens": T, "rope_table_rows": table_rows,
+               "vector_instructions": vector_instructions,
+               "bytes_written": (B * T * H * wq + B * T * wk) * 2},
     )
 
 
 MLA_APPEND = register(KernelDef(
     name="mla-append",
-    doc="Decode-step MLA append (DeepSeek-V3/R1, Kimi K2.5): DeepSeek RoPE (de-interleaved, YaRN) "
-        "on q's rope part and on the new latent row's k_pe; the row goes into mla-decode's cache.",
+    doc="MLA append (DeepSeek-V3/R1, Kimi K2.5), a decode step or a prefill chunk: DeepSeek RoPE "
+        "(de-interleaved, YaRN) on q's rope part and on the new latent rows' k_pe at their positions; "
+        "the rows go into mla-decode's / mla-prefill's cache.",
     shape_keys=(
-        ShapeKey("batch", int, 2, "sequences, one new token each", minimum=1),
-        ShapeKey("context", int, 96, "tokens in each sequence's cache, the new one (at context-1) "
-                 "included", minimum=1),
+        ShapeKey("batch", int, 2, "sequences", minimum=1),
+        ShapeKey("context", int, 96, "tokens in each sequence's cache, the new ones (at context-tokens .. "
+                 "context-1) included", minimum=1),
+        ShapeKey("tokens", int, 1, "new tokens per sequence (1: decode; a prefill chunk: its seq); "
+                 "<= context", minimum=1),
         ShapeKey("q_heads", int, 8, "query heads (DeepSeek-R1: 128, Kimi K2.5: 64)", minimum=1),
         ShapeKey("nope_dim", int, 32, "per-head non-rope q width (qk_nope_head_dim, 128)", minimum=1),
         ShapeKey("rope_dim", int, 32, "rope width of q and k_pe (qk_rope_head_dim, 64); even", minimum=2),

@@ -22,7 +22,7 @@ from jalapeno_emu.kernels.cache import (
     rope_deinterleaved,
     rope_rotate_half,
 )
-from jalapeno_emu.kernels.mla import mla_decode_reference
+from jalapeno_emu.kernels.mla import mla_decode_reference, mla_prefill_reference
 
 BF16 = ml_dtypes.bfloat16
 TINY = load_preset("tiny")
@@ -191,12 +191,75 @@ def test_kv_append_fp8_then_attention_decode():
     {},
     {"batch": 3, "q_heads": 5, "context": 7, "nope_dim": 16, "rope_dim": 6, "kv_lora_rank": 40},
     {"batch": 40, "context": 3, "q_heads": 16, "nope_dim": 128, "rope_dim": 64, "kv_lora_rank": 512},
+    # a chunk of 3 at positions 4..6; a core's rows cross a sequence and a job boundary mid-token
+    {"batch": 3, "tokens": 3, "q_heads": 5, "context": 7, "nope_dim": 16, "rope_dim": 6, "kv_lora_rank": 40},
+    {"tokens": 32, "context": 40},  # a core per sequence: 32 positions, 32 query blocks each
 ])
 def test_mla_append_is_bit_exact_on_every_byte(shape):
     r = run_kernel("mla-append", shape, check=True)
     assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
     if shape.get("batch") == 40:
         assert r.notes["jobs_per_core"] > 1  # 320 query rows per core do not fit tiny's scratchpad
+
+
+def test_mla_append_rope_table_rows_per_core_follow_its_tokens():
+    """3 sequences of a 5-token chunk over 8 cores, 2 tokens each: core 2 holds the last token of
+    sequence 0 and the first of sequence 1 (positions 8 and 4 of a 9-token context), so its two
+    table rows come from both ends of the table; every byte still exact."""
+    spec = TINY.replace(**{"core.count": 8})
+    r = run_kernel("mla-append", {"batch": 3, "tokens": 5, "context": 9, "q_heads": 2}, preset=spec,
+                   check=True)
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
+    prog = r.build.program
+    cos = prog.allocation("rope_cos")
+    table_loads = {}  # core -> [(first table row, rows)]
+    for ins in prog.instructions:
+        src = ins.arg("src") if ins.mnemonic == "dma.load" else None
+        if src is not None and cos.offset <= src.offset < cos.end:
+            row = (src.offset - cos.offset) // src.stride
+            table_loads.setdefault(ins.engine.core, []).append((row, src.rows))
+    assert r.notes["rope_table_rows"] == 2 and len(table_loads) == 8
+    assert table_loads[2] == [(4, 1), (0, 1)]  # wraps: position 8 (table row 4), then 4 (row 0)
+    assert table_loads[0] == [(0, 2)] and table_loads[3] == [(1, 2)] and table_loads[7] == [(4, 1)]
+
+
+def _vector_count(program, core):
+    return sum(1 for i in program.instructions if i.engine.core == core and i.mnemonic.startswith("vec."))
+
+
+def test_mla_append_one_token_is_the_decode_program():
+    """tokens=1 (the default): per core and job, one de-interleave pair and one rotation for all
+    query rows and one for all latent rows (one position), the latent rows stored with one DMA
+    every context-th row, whole query rows stored after the rotation."""
+    shape = {"batch": 3, "context": 50, "q_heads": 4}
+    full, b = _build("mla-append", shape)
+    assert full["tokens"] == 1 and b.program.name == "mla_append_b3_c50_h4"
+    assert b.notes["jobs_per_core"] == 1 and b.notes["rope_table_rows"] == 1
+    assert [_vector_count(b.program, c) for c in range(2)] == [2 * (2 + 6)] * 2
+    stores = [i.arg("dst") for i in b.program.instructions if i.mnemonic == "dma.store"]
+    wk, wq = 64 + 32, 32 + 32
+    cache_stores = [t for t in stores if t.cols == wk]
+    assert [(t.rows, t.stride) for t in cache_stores] == [(2, 50 * wk * 2), (1, 50 * wk * 2)]
+    assert [(t.rows, t.cols) for t in stores if t.cols != wk] == [(6, wq), (6, wq)]
+    # The full-size decode step: 64 cores x 32 instructions (4 for the tables, 28 for the job).
+    dec = run_kernel("mla-append", dict(batch=64, context=8192, q_heads=128, nope_dim=128, rope_dim=64,
+                                        kv_lora_rank=512), preset="jalapeno-v1", safety_checks=False)
+    assert dec.summary["instructions"] == 64 * 32
+
+
+def test_mla_append_chunk_rotates_per_token_blocks():
+    """A chunk: six vector instructions per token of query rows ([q_heads, P/2] blocks, one table
+    row broadcast) and six per run of a sequence's latent rows (one table row each), after one
+    de-interleave pair per part and job; the query rows' nope part goes back before the rotation."""
+    _, b = _build("mla-append", {"batch": 2, "tokens": 32, "context": 40})  # a sequence per core
+    assert b.notes["jobs_per_core"] == 2 and b.notes["rope_table_rows"] == 32
+    per_core = 2 * (2 + 6 * 16) + 2 * (2 + 6)  # per job: 16 tokens of query rows, 16 latent rows
+    assert [_vector_count(b.program, c) for c in range(2)] == [per_core] * 2
+    assert b.notes["vector_instructions"] == 2 * per_core
+    stores = [i.arg("dst") for i in b.program.instructions if i.mnemonic == "dma.store"]
+    # per job: q_rot's nope [128, 32] (as loaded) and rope [128, 32] parts, 16 cache rows in one DMA
+    assert sorted((t.rows, t.cols, t.stride) for t in stores) == sorted([(128, 32, 128), (128, 32, 128),
+                                                                         (16, 96, 192)] * 4)
 
 
 def _hf_deepseek_rope(x, cos_half, sin_half):
@@ -249,6 +312,60 @@ def test_mla_append_then_mla_decode():
     assert np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want))
 
 
+def _append_chunk(q, kv_a, cache, *, context, tokens, dims):
+    """Run mla-append of a chunk (positions context-tokens..context-1) onto ``cache``."""
+    _, app = _build("mla-append", {**dims, "context": context, "tokens": tokens})
+    cos, sin = deepseek_yarn_cos_sin(context, dims["rope_dim"])
+    ins = {"q": q, "kv_a": kv_a, "kv_cache": cache, "rope_cos": cos[context - tokens:],
+           "rope_sin": sin[context - tokens:]}
+    out = _run(app, ins)
+    return np.asarray(out["q_rot"]), np.asarray(out["kv_cache"])
+
+
+def test_mla_append_chunks_then_mla_prefill():
+    """Chunked MLA prefill: mla-append of a 32-token chunk, then mla-prefill (prior 0, seq 32) on
+    the filled cache; then the next chunk (context 64) and mla-prefill with prior 32. The cache
+    rows are [c_kv | rope(k_pe)] at each token's own position and q_rot is rope(q_pe) there (HF
+    DeepSeek's table, independently indexed), the chunked cache is byte for byte the one a single
+    64-token append writes, and prefill's output matches its reference on it."""
+    B, S, H, R, P, N = 1, 32, 2, 64, 32, 32  # small: mla-prefill's functional run dominates
+    dims = {"batch": B, "q_heads": H, "nope_dim": N, "rope_dim": P, "kv_lora_rank": R}
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((B, 2 * S, H, N + P)).astype(BF16)  # both chunks' queries
+    kv_a = rng.standard_normal((B, 2 * S, R + P)).astype(BF16)
+    cos, sin = deepseek_yarn_cos_sin(2 * S, P)
+    want_rows = np.concatenate([kv_a[..., :R].astype(np.float32),
+                                rope_deinterleaved(kv_a[..., R:], cos[None], sin[None])], axis=-1)
+    want_q = np.concatenate([q[..., :N].astype(np.float32),
+                             rope_deinterleaved(q[..., N:], cos[None, :, None], sin[None, :, None])], axis=-1)
+    cache = rng.standard_normal((B, 2 * S, R + P)).astype(BF16)  # rows not yet written: garbage
+    for k in range(2):  # chunk k: positions k*S .. (k+1)*S-1, cache of context (k+1)*S
+        ctx = (k + 1) * S
+        chunk = slice(k * S, ctx)
+        q_rot, filled = _append_chunk(q[:, chunk].reshape(B * S * H, -1), kv_a[:, chunk].reshape(B * S, -1),
+                                      cache[:, :ctx].reshape(B * ctx, -1), context=ctx, tokens=S, dims=dims)
+        filled = filled.reshape(B, ctx, -1)
+        np.testing.assert_array_equal(_bits(filled[:, chunk]), _bits(want_rows[:, chunk]))
+        np.testing.assert_array_equal(_bits(filled[:, :k * S]), _bits(cache[:, :k * S]))  # prior untouched
+        np.testing.assert_array_equal(_bits(q_rot), _bits(want_q[:, chunk].reshape(B * S * H, -1)))
+        cache[:, :ctx] = filled
+        pshape, pre = _build("mla-prefill", {**dims, "seq": S, "prior": k * S})
+        pin = pre.make_inputs(k)
+        pin.update(q=q_rot, kv_cache=filled.reshape(B * ctx, -1))
+        got = np.asarray(_run(pre, pin)["out"], np.float64)
+        want = np.asarray(mla_prefill_reference(q_rot, pin["kv_cache"], pin["w_kv_b"], batch=B, seq=S,
+                                                prior=k * S, heads=H, rank=R, rope=P, nope=N,
+                                                v=pshape["v_head_dim"], scale=pre.notes["softmax_scale"]),
+                          np.float64)
+        tol = pre.tolerance
+        assert np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want))
+    # The same 64 tokens appended in one go write the same cache bytes.
+    garbage = rng.standard_normal((B * 2 * S, R + P)).astype(BF16)
+    _, whole = _append_chunk(q.reshape(B * 2 * S * H, -1), kv_a.reshape(B * 2 * S, -1), garbage,
+                             context=2 * S, tokens=2 * S, dims=dims)
+    np.testing.assert_array_equal(_bits(whole), _bits(cache.reshape(B * 2 * S, -1)))
+
+
 def test_deepseek_yarn_tables():
     cos, sin = deepseek_yarn_cos_sin(5000, 64)
     np.testing.assert_allclose(cos**2 + sin**2, 1.0, rtol=1e-6)  # mscale/mscale_all_dim = 1
@@ -295,6 +412,10 @@ def test_kv_append_reference_matches_gpt_oss_rope_table_rows():
     ("mla-append", {"rope_dim": 33}, "rope_dim=33"),
     ("mla-append", {"context": 0}, "context=0"),
     ("mla-append", {"kv_lora_rank": 200_000}, "kv_lora_rank=200000"),
+    ("mla-append", {"tokens": 0}, "tokens=0"),
+    ("mla-append", {"tokens": 97}, "tokens=97"),  # more new tokens than the context holds
+    # 2048 tokens per core: their RoPE table rows alone fill tiny's scratchpad
+    ("mla-append", {"batch": 1, "q_heads": 1, "tokens": 4096, "context": 4096}, "tokens=4096"),
 ])
 def test_impossible_shapes_are_refused(name, shape, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -322,3 +443,20 @@ def test_full_size_timing_is_latency_bound():
         # launch + a load and a store round trip (set-up + HBM latency each) is the floor
         spec = load_preset("jalapeno-v1")
         assert s["time_s"] >= spec.sync.kernel_launch_s + 2 * (spec.dma.setup_latency_s + spec.hbm.latency_s)
+
+
+def test_mla_append_prefill_chunk_full_size_is_hbm_bound():
+    """DeepSeek-R1's 2048-token prefill chunk (batch 1, context 8192) on jalapeno-v1, timing only:
+    q in and q_rot out once, the chunk's latent rows, 32 table rows per core; six vector
+    instructions per token of query rows; the nope part's store overlaps the rotation and the
+    second job's load the first's stores, so the HBM stream sets the time."""
+    dims = dict(q_heads=128, nope_dim=128, rope_dim=64, kv_lora_rank=512)
+    r = run_kernel("mla-append", dict(batch=1, tokens=2048, context=8192, **dims), preset="jalapeno-v1",
+                   safety_checks=False)
+    s, cores = r.summary, 64
+    assert r.notes["cores"] == cores and r.notes["rope_table_rows"] == 32 and r.notes["jobs_per_core"] == 2
+    assert s["hbm_bytes"] == 2 * 2 * (2048 * 128 * 192 + 2048 * 576) + cores * 2 * 32 * 32 * 4
+    # per core and job: 16 tokens of query rows and 16 latent rows (one run), a de-interleave pair each
+    assert r.notes["vector_instructions"] == cores * 2 * ((2 + 6 * 16) + (2 + 6))
+    assert s["bound"] == "hbm"
+    assert s["time_s"] < 1.15 * (s["launch_s"] + s["memory_bound_s"])

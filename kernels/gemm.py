@@ -25,15 +25,21 @@ KB spread over every channel, which would otherwise land behind the whole first 
 and hold up the first matmul by ~3 us), the first chunk before later ones. The matrix unit
 accumulates the chunks in increasing K order (hence bit-exact with ``mx.matmul``); the vector
 unit moves a finished FP32 block to SRAM (adding the bias through an FP32 slab) and the last
-queue stores it. The last block's K range ends in a half-size chunk so that little matmul is
-left after the final bytes land.
+queue stores it. The last block's K range ends in a half and two quarter chunks (512 -> 256,
+128, 128) so that little matmul is left after the final bytes land (a 256 MiB GEMV: 0.3 us
+between the last byte and the store, 0.5 us with one half chunk).
 
 What the HBM address map taught us (jalapeno-v1, power-of-two shapes):
 - x[:, k0:k1] of every row block lives on the same few pseudo-channels (rows are k/2 bytes
   apart, a multiple of the interleave round), so 64 cores streaming x chunks in lockstep hit a
   hot spot. Decode: each core loads its few KB of x once. Prefill: the cores sharing a row block
   (groups of <= 4) load each part of the 2 MiB panel once from HBM and relay it to each other
-  with ``dma.copy``; part 0 is one chunk wide so the matmuls start early.
+  with ``dma.copy``; part 0 is one chunk wide so the matmuls start early. Decode GEMVs whose
+  weight stream is long: x's few KB sit on a few channels too, and 64 cores reading them put
+  16 KB more on each (0.4 us more than the others at 36 GB/s, which the cores streaming W from
+  those channels then finish late). One core in 16 reads x, its codes and scales as the first
+  descriptors of two queues, and the others copy it from that core's SRAM once it has landed
+  (after W's scales, on the last queue): per-channel bytes within 0.1 % instead of 2 %.
 - Several blocks per core: if every core took its blocks in the same column order, the cores would
   load the same W columns and store the same y columns at the same time; W rows (n = 8192: 4 KiB
   apart) and y rows (16 KiB apart) are multiples of the interleave round's divisors, so one
@@ -52,8 +58,10 @@ Two regimes on jalapeno-v1:
   has 2x headroom over HBM, fp8e4 x fp4 just about keeps pace, bf16 x fp4 is compute-bound at
   half of HBM speed. Fixed costs of ~5 us (launch 2 us, the first load's set-up and HBM latency
   1.5 us, the store's 1.5 us, the last matmul) cap a 256 MiB GEMV (20.6 us of transfer) near
-  80 % of achievable bandwidth (we get 77 %); 512 MiB reaches 87 %. At real layer sizes (gpt-oss
-  k=2880, n=5760: 8.8 MB, 0.6 us of HBM time) the kernel is latency-bound at ~9 us.
+  80 % of achievable bandwidth: 285 MB (MXFP4 codes and scales) in 2 + 1.5 + 20.6 + 1.5 us is
+  80.2 %, and we get 79.5 % (MXFP8 weights with MXFP8 x 79.0 %, BF16 x BF16 78.5 %: fewer
+  scale bytes against the same fixed costs); 512 MiB reaches 89 %. At real layer sizes
+  (gpt-oss k=2880, n=5760: 8.8 MB, 0.6 us of HBM time) the kernel is latency-bound at ~7-9 us.
 - Prefill GEMM (m, n, k >= 4096): 512 x 1024 output blocks (the whole 2 MiB accumulator) give
   4*512*1024/(512+1024) = 1365 FLOP per MXFP4 byte, above the ~970 a core needs to stay
   compute-bound at its share of HBM. Only fp4 x fp4 runs at the MXFP4 rate and can reach 80 % of
@@ -103,6 +111,8 @@ SRAM_SHARE = 0.95
 EPILOGUE_BYTES = 256 * 1024  # FP32 scratch for the bias add, processed in row slabs
 BROADCAST_MIN_BYTES = 256 * 1024  # x panels this big (or 1/16 of SRAM) are loaded once and relayed
 RELAY_GROUP = 4  # cores that share one HBM read of an x panel
+DECODE_RELAY_GROUP = 16  # decode: cores that copy x from one core's SRAM instead of reading HBM
+TAIL_SPLITS = 2  # the last block's last chunk is halved, then its second half again
 
 
 # --- numerics -------------------------------------------------------------------------------
@@ -150,6 +160,9 @@ class GemmPlan:
         w_scales_resident: W's E8M0 scales for the core's whole K range come in once, first
             (one block per core): streamed with each chunk they queue behind other cores' codes
             on shared pseudo-channels and hold up every chunk's signal.
+        x_relay: decode (one row block, a small x): 1 if every core reads x from HBM, else the
+            size of the groups of cores in which one core reads it and the others copy it from
+            its SRAM (only when each core streams W for long enough to hide the extra copy).
     """
 
     mb: int
@@ -162,6 +175,7 @@ class GemmPlan:
     x_resident: bool
     load_queues: int
     w_scales_resident: bool
+    x_relay: int = 1
 
 
 def _bytes(fmt: str, rows: int, cols: int, blocked_axis: int) -> int:
@@ -190,10 +204,11 @@ def _check_gemm_shape(m: int, n: int, k: int, weight_fmt: str, act_fmt: str,
 
 
 def _chunks(k: int, kc: int, tail: bool) -> list[tuple[int, int]]:
-    """(k0, width) chunks over [0, k); with ``tail`` the last chunk is split in halves down to 32."""
+    """(k0, width) chunks over [0, k); with ``tail`` the last chunk is halved ``TAIL_SPLITS`` times
+    (each time its second half; never below 32): 512 -> 256, 128, 128."""
     widths = [kc] * (k // kc) + ([k % kc] if k % kc else [])
     if tail:
-        for _ in range(1):
+        for _ in range(TAIL_SPLITS):
             last = widths[-1]
             if last < 64:
                 break
@@ -278,7 +293,25 @@ def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
         nb_max = max(g, nb_max // 2 // g * g)
     accs = 2 if 2 * mb * nb * 4 <= acc_cap else 1
     return GemmPlan(mb, nb, kc, per_core, slots, accs, slab, x_resident, load_queues,
-                    w_scales_resident)
+                    w_scales_resident, _x_relay(m_blocks, most, x_resident, mb, k, nb, act_fmt,
+                                                weight_fmt, spec))
+
+
+def _x_relay(m_blocks: int, most: int, x_resident: bool, mb: int, k: int, nb: int, act_fmt: str,
+             weight_fmt: str, spec: ChipSpec) -> int:
+    """Group size for relaying a decode x panel between cores (1: every core reads it from HBM).
+
+    x is a few KB on a few pseudo-channels: 64 cores reading it put 64 x 256 B on each of them,
+    which then serve their share of W 0.4 us after every other channel (jalapeno-v1). Read by one
+    core per group and copied to the others, the channels stay balanced, but the copy costs the
+    others one more DMA set-up before their first matmul: worth it when each core streams W for
+    at least two set-ups (at its share of achievable HBM bandwidth).
+    """
+    small = _bytes(act_fmt, mb, k, 1) < min(BROADCAST_MIN_BYTES, spec.sram.scratchpad_bytes // 16)
+    if m_blocks != 1 or most != 1 or not x_resident or not small:
+        return 1
+    share_s = _bytes(weight_fmt, k, nb, 0) * spec.core.count / spec.derived()["hbm_achievable_bytes_per_s"]
+    return min(DECODE_RELAY_GROUP, spec.core.count) if share_s >= 2 * spec.dma.setup_latency_s else 1
 
 
 # --- gemm -----------------------------------------------------------------------------------
@@ -341,8 +374,27 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
     for c, r in per_core.items():
         if r["x_in_prologue"]:
             groups.setdefault(plan.items[c][0][0], []).append(c)
+    # Decode relay (plan.x_relay > 1): the leader of each group reads x, its codes and scales
+    # as the first descriptors of two queues (so they are not queued behind every core's first
+    # wave of weights); the others copy it from the leader's SRAM (below, after W's scales).
+    x_from: dict[int, tuple[int, list[Any]]] = {}  # peer -> (leader, semaphores of x landing)
     if _bytes(act_fmt, mb, k, 1) < min(BROADCAST_MIN_BYTES, spec.sram.scratchpad_bytes // 16):
-        groups = {c: [c] for members in groups.values() for c in members}
+        cores_x = [c for members in groups.values() for c in members]
+        for i in range(0, len(cores_x) if plan.x_relay > 1 else 0, plan.x_relay):
+            lead, *peers = cores_x[i:i + plan.x_relay]
+            r = per_core[lead]
+            m0, rows = plan.items[lead][0][0], plan.items[lead][0][1]
+            own, src = r["a_buf"][0].sub(0, 0, rows, k), x_h.sub(m0, 0, rows, k)
+            pairs = [(own.codes, src.codes), (own.scales, src.scales)] if x_mx else [(own, src)]
+            landed = []
+            for q, (dst, part) in enumerate(pairs):
+                dq = r["core"].dma[q % len(r["core"].dma)]
+                dq.load(dst, part)
+                landed.append(kb.semaphore(f"c{lead}.x_landed{q}"))
+                dq.signal(landed[-1])
+                r["x_parts"].append((0, k, landed[-1], 1))
+            x_from.update((p, (lead, landed)) for p in peers)
+        groups = {c: [c] for c in cores_x if c not in x_from and not per_core[c]["x_parts"]}
     else:  # relay within groups of at most RELAY_GROUP cores: few copies per part, short chains
         groups = {members[i]: members[i:i + RELAY_GROUP] for members in groups.values()
                   for i in range(0, len(members), RELAY_GROUP)}
@@ -395,6 +447,17 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
                 bq.load(r["b_bufs"][t].sub(0, 0, 1, cols), b_h.sub(0, n0, 1, cols))
             bq.signal(bias_sem)
             core.vpu.wait(bias_sem, 1)
+        if c in x_from:  # copy x from the group leader's SRAM once it has landed there
+            lead, landed = x_from[c]
+            got = kb.semaphore(f"c{c}.x_copied")
+            for sem in landed:
+                bq.wait(sem, 1)
+            m_rows = plan.items[c][0][1]
+            src, dst = per_core[lead]["a_buf"][0].sub(0, 0, m_rows, k), r["a_buf"][0].sub(0, 0, m_rows, k)
+            for d, s_ in ((dst.scales, src.scales), (dst.codes, src.codes)) if x_mx else ((dst, src),):
+                bq.copy(d, s_)
+            bq.signal(got)
+            r["x_parts"].append((0, k, got, 1))
 
     for c, r in per_core.items():
         items, core = plan.items[c], r["core"]
@@ -499,7 +562,7 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
         outputs={"y": ("bf16", (m, n))}, tolerance=tol,
         notes={"block": [plan.mb, plan.nb], "k_chunk": plan.kc, "slots": plan.slots,
                "accumulators": plan.accs, "cores": sum(1 for i in plan.items if i),
-               "blocks": sum(len(i) for i in plan.items), "output": "bf16",
+               "blocks": sum(len(i) for i in plan.items), "output": "bf16", "x_relay": plan.x_relay,
                "activations": "pre-quantised" if x_mx else "bf16"},
     )
 

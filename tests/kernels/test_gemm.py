@@ -108,9 +108,29 @@ def test_decode_gemv_over_512_mib_of_mxfp4_weights_reaches_80pct_of_hbm():
 
 def test_decode_gemv_over_256_mib_is_hbm_bound_near_its_latency_cap():
     # 285 MB at 13.9 TB/s is 20.6 us; launch (2 us), the first load's set-up + HBM latency
-    # (1.5 us) and the store's (1.5 us) cap utilisation at ~80 %: we get 77 %.
-    s = _timing({"m": 1, "k": 8192, "n": 65536, "weight_fmt": "fp4", "act_fmt": "fp4", "bias": False})
-    assert s["bound"] == "hbm" and s["hbm_utilization_of_achievable"] >= 0.75, s
+    # (1.5 us) and the store's (1.5 us) cap utilisation at ~80 %: we get 79.5 % (77.6 % when
+    # every core read x from HBM, 64 x 256 B more on x's pseudo-channels, and the last chunk's
+    # matmul took 0.5 us after the last byte instead of 0.3).
+    spec = load_preset(V1)
+    kb = get_kernel("gemm").build(get_kernel("gemm").shape(
+        {"m": 1, "k": 8192, "n": 65536, "weight_fmt": "fp4", "act_fmt": "fp4", "bias": False}), spec)
+    tl = run_timing(kb.program, spec)
+    s = tl.summary()
+    assert kb.notes["x_relay"] == 16
+    assert s["bound"] == "hbm" and s["hbm_utilization_of_achievable"] >= 0.79, s
+    per_channel = tl.hbm_bytes_per_channel
+    assert per_channel.max() <= 1.002 * per_channel.mean()  # was 1.021: x loaded a few channels
+
+
+@pytest.mark.parametrize("shape", [
+    {"m": 1, "n": 512, "k": 2048, "weight_fmt": "fp4", "act_fmt": "fp4", "bias": False},
+    {"m": 2, "n": 512, "k": 2048, "weight_fmt": "bf16", "act_fmt": "bf16", "bias": True},
+])
+def test_decode_gemv_with_x_copied_from_another_core_is_exact(shape):
+    # Long enough weight streams on tiny (2 cores): core 1 copies x from core 0's SRAM.
+    r = run_kernel("gemm", shape, check=True)
+    assert r.build.notes["x_relay"] == 2
+    assert r.check["passed"] and r.check["max_abs_error"] == 0.0, r.check
 
 
 def test_prefill_gemm_8k_mxfp4_is_compute_bound():

@@ -46,7 +46,7 @@ from jalapeno_emu.kernels.registry import get_kernel
 
 from .config import ModelConfig
 
-__all__ = ["Launch", "Step", "head_launches", "layer_launches", "tail_launches"]
+__all__ = ["Launch", "Step", "head_launches", "launch", "layer_launches", "tail_launches"]
 
 Phase = Literal["decode", "prefill"]
 
@@ -120,6 +120,18 @@ def _launch(label: str, kernel: str, **keys: Any) -> Launch:
     """A launch with its full shape; a key the kernel does not have is a planner bug."""
     full = get_kernel(kernel).shape(keys)
     return Launch(label, kernel, tuple(sorted(full.items())))
+
+
+def launch(label: str, kernel: str, **keys: Any) -> Launch:
+    """A launch of ``kernel`` with its full shape (the kernel's defaults for keys not given).
+
+    The planner's own helper, public for code that builds launches the plan does not (the rack
+    model's per-chip slices, e.g. a MoE launch for the tokens routed to one chip).
+
+    Raises:
+        InvalidArgumentError: a key the kernel does not have, or a value out of its range.
+    """
+    return _launch(label, kernel, **keys)
 
 
 def _rmsnorm(label: str, cfg: ModelConfig, tokens: int, hidden: int, residual: bool = True) -> Launch:

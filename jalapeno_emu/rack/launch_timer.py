@@ -1,0 +1,263 @@
+"""Kernel launch times for the rack model: the emulator's timing pass, each distinct launch once.
+
+Stage: rack. :class:`LaunchTimer` builds a launch's Program and runs the timing pass (timing-only,
+as :class:`jalapeno_emu.model.timing.StepTimer` does), keeping only the figures (not the Timeline,
+so thousands of launches stay cheap in memory). One timer per chip spec is shared by every mapping
+in a process (:func:`shared_timer`), so launches whose sliced shapes coincide across mappings are
+built once.
+
+**Batches a kernel refuses.** Some kernels cap their batch by on-chip capacity (the MoE kernel's
+[tokens, hidden] FP32 partial must fit a core's accumulators; GPU presets' small scratchpads refuse
+more). When the build raises ``InvalidArgumentError`` for a launch whose kernel has a batch-like
+key (below), the batch is split in two halves run as two launches back to back (each paying the
+launch cost), recursively; a launch that still fails at batch 1 re-raises the kernel's own error,
+naming the kernel and the preset. Batch keys: gemm ``m``; rmsnorm, embedding, logits, moe
+``tokens``; attention-decode, kv-append, mla-decode, mla-append ``batch``.
+
+**Disk cache** (optional, off by default in the library, on in the CLI): figures are appended to
+a JSON-lines file under ``$JALAPENO_EMU_CACHE_DIR`` (default ``~/.cache/jalapeno-emu``) named by
+a hash of the chip spec and a hash of the source of every module that decides a Program or its
+timing (kernels, ISA, emulator, chip spec, MX numerics). Editing any of them starts a new file,
+so a cached figure is always what this code would compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels.registry import get_kernel
+from jalapeno_emu.model.plan import Launch
+
+__all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "shared_timer"]
+
+BATCH_KEYS: dict[str, str] = {
+    "gemm": "m",
+    "rmsnorm": "tokens",
+    "embedding": "tokens",
+    "logits": "tokens",
+    "moe": "tokens",
+    "attention-decode": "batch",
+    "kv-append": "batch",
+    "mla-decode": "batch",
+    "mla-append": "batch",
+}
+"""Kernel -> the shape key a refused launch is split along."""
+
+_SOURCE_PACKAGES = ("kernels", "isa", "emu", "chip", "mx")
+
+
+@dataclass(frozen=True)
+class LaunchTime:
+    """The timing pass's figures for one launch (summed over its pieces when it was split).
+
+    Attributes:
+        time_s: launch cost plus makespan, s (summed over pieces).
+        hbm_bytes: HBM bytes read and written.
+        flops: matrix-unit FLOPs.
+        bound: what limits it (the longest piece's bound).
+        instructions: Program length (summed).
+        pieces: launches it ran as (1 unless the kernel refused the whole batch).
+    """
+
+    time_s: float
+    hbm_bytes: float
+    flops: float
+    bound: str
+    instructions: int
+    pieces: int = 1
+
+    def __add__(self, other: LaunchTime) -> LaunchTime:
+        bound = self.bound if self.time_s >= other.time_s else other.bound
+        return LaunchTime(
+            self.time_s + other.time_s,
+            self.hbm_bytes + other.hbm_bytes,
+            self.flops + other.flops,
+            bound,
+            self.instructions + other.instructions,
+            self.pieces + other.pieces,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "time_s": self.time_s,
+            "hbm_bytes": self.hbm_bytes,
+            "flops": self.flops,
+            "bound": self.bound,
+            "instructions": self.instructions,
+            "pieces": self.pieces,
+        }
+
+
+def code_fingerprint() -> str:
+    """sha256 (16 hex digits) of the source of the kernels, ISA, emulator, chip and MX packages."""
+    import importlib
+
+    h = hashlib.sha256()
+    for pkg in _SOURCE_PACKAGES:
+        mod = importlib.import_module(f"jalapeno_emu.{pkg}")
+        base = Path(mod.__file__).parent
+        for path in sorted(base.rglob("*")):
+            if path.suffix in (".py", ".toml") and path.is_file():
+                h.update(str(path.relative_to(base)).encode())
+                h.update(path.read_bytes())
+        h.update(pkg.encode())
+    return h.hexdigest()[:16]
+
+
+def _spec_fingerprint(spec: ChipSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("JALAPENO_EMU_CACHE_DIR") or Path.home() / ".cache" / "jalapeno-emu")
+
+
+def _key(launch: Launch) -> str:
+    return json.dumps([launch.kernel, [list(kv) for kv in launch.shape]], separators=(",", ":"))
+
+
+class LaunchTimer:
+    """Times kernel launches on one chip spec, each distinct (kernel, shape) once.
+
+    Args:
+        spec: the chip (a preset name or a ChipSpec).
+        disk_cache: also keep figures on disk across processes (see the module docstring); a path
+            chooses the directory.
+    """
+
+    def __init__(self, spec: ChipSpec | str, *, disk_cache: bool | str | os.PathLike[str] = False) -> None:
+        self.spec = load_preset(spec) if isinstance(spec, str) else spec
+        self._times: dict[tuple[str, tuple], LaunchTime] = {}
+        self.builds = 0
+        """Programs built and timed in this process (cache misses)."""
+        self.build_wall_s = 0.0
+        """Wall seconds spent building and timing them."""
+        self._file: Path | None = None
+        self._disk: dict[str, LaunchTime] = {}
+        if disk_cache:
+            directory = _cache_dir() if disk_cache is True else Path(disk_cache)
+            self._file = directory / f"timings-{_spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
+            self._disk = _read_cache(self._file)
+
+    @property
+    def distinct_launches(self) -> int:
+        """Distinct launches known to this timer (built here or read from the disk cache)."""
+        return len(self._times)
+
+    def time(self, launch: Launch, *, split: bool = True) -> LaunchTime:
+        """The figures of ``launch`` (cached; split in halves if the kernel refuses its batch).
+
+        Args:
+            split: False raises the kernel's refusal instead of splitting the batch.
+
+        Raises:
+            InvalidArgumentError: the kernel refuses the shape even at batch 1 (its message, with
+                the kernel and preset named), or at all when ``split`` is False.
+        """
+        key = (launch.kernel, launch.shape)
+        hit = self._times.get(key)
+        if hit is None:
+            hit = self._disk.get(_key(launch)) if self._disk else None
+            if hit is None:
+                hit = self._measure(launch, split)
+            self._times[key] = hit
+        return hit
+
+    def time_s(self, launch: Launch) -> float:
+        """Seconds of ``launch`` (see :meth:`time`)."""
+        return self.time(launch).time_s
+
+    def _measure(self, launch: Launch, split: bool) -> LaunchTime:
+        shape = launch.shape_dict
+        t0 = time.perf_counter()
+        try:
+            build = get_kernel(launch.kernel).build(shape, self.spec)
+        except InvalidArgumentError as exc:
+            if not split:
+                raise
+            return self._split(launch, shape, exc)
+        s = run_timing(build.program, self.spec).summary()
+        self.builds += 1
+        self.build_wall_s += time.perf_counter() - t0
+        out = LaunchTime(
+            float(s["time_s"]),
+            float(s["hbm_bytes"]),
+            float(s["flops"]),
+            str(s["bound"]),
+            int(s["instructions"]),
+        )
+        self._remember(launch, out)
+        return out
+
+    def _split(self, launch: Launch, shape: dict[str, Any], exc: InvalidArgumentError) -> LaunchTime:
+        key = BATCH_KEYS.get(launch.kernel)
+        n = shape.get(key, 1) if key else 1
+        if n < 2:
+            raise InvalidArgumentError(
+                f"kernel {launch.kernel} cannot run on {self.spec.name}: {exc.message}", hint=exc.hint
+            ) from None
+        halves = []
+        for part in (n - n // 2, n // 2):
+            sub = dict(shape, **{key: part})
+            if launch.kernel == "moe" and sub.get("experts"):
+                sub["distinct_experts"] = (
+                    min(sub["distinct_experts"], part * sub["top_k"]) if sub.get("distinct_experts") else 0
+                )
+            halves.append(Launch(launch.label, launch.kernel, tuple(sorted(sub.items()))))
+        return self.time(halves[0]) + self.time(halves[1])
+
+    def _remember(self, launch: Launch, t: LaunchTime) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"key": _key(launch), **t.as_dict()}, separators=(",", ":")) + "\n"
+        try:
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._file, "a", encoding="utf-8") as fh:  # one short append per line
+                fh.write(line)
+        except OSError:
+            self._file = None  # an unwritable cache directory only costs speed
+
+
+def _read_cache(path: Path) -> dict[str, LaunchTime]:
+    out: dict[str, LaunchTime] = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    d = json.loads(line)
+                    out[d["key"]] = LaunchTime(
+                        float(d["time_s"]),
+                        float(d["hbm_bytes"]),
+                        float(d["flops"]),
+                        str(d["bound"]),
+                        int(d["instructions"]),
+                        int(d["pieces"]),
+                    )
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from an interrupted writer
+    except OSError:
+        pass
+    return out
+
+
+_SHARED: dict[tuple[str, str, bool], LaunchTimer] = {}
+
+
+def shared_timer(spec: ChipSpec | str, *, disk_cache: bool = False) -> LaunchTimer:
+    """The process-wide timer of ``spec`` (one per distinct spec contents and cache setting)."""
+    spec = load_preset(spec) if isinstance(spec, str) else spec
+    key = (spec.name, _spec_fingerprint(spec), bool(disk_cache))
+    timer = _SHARED.get(key)
+    if timer is None:
+        timer = _SHARED[key] = LaunchTimer(spec, disk_cache=disk_cache)
+    return timer

@@ -7,7 +7,7 @@ BF16 values (512 + 64 for DeepSeek/Kimi), shared by every query head. Inputs are
   of head h, i.e. the output of q_b_proj with RoPE already applied to q_pe (the q down/up
   projections and RoPE are not part of these kernels).
 - ``kv_cache``: [batch*context, kv_lora_rank + rope_dim], row ``b*context + t`` = ``[c_kv | k_pe]``
-  (k_pe already rotated).
+  (k_pe already rotated); prefill's context is prior + seq.
 - ``w_kv_b``: [q_heads*(nope_dim + v_head_dim), kv_lora_rank], DeepSeek's ``kv_b_proj.weight``:
   rows ``h*(nope+v) ..+nope`` are W_UK[h] (k_nope = c_kv @ W_UK[h]^T), the next ``v`` rows
   W_UV[h] (v = c_kv @ W_UV[h]^T).
@@ -34,11 +34,21 @@ cache stream and the BF16 matrix work take about the same time, and the phases b
 the stream (absorption, the two all-to-all copy rounds, up-projection) add a fixed ~10 us. Kimi's
 64 heads halve the FLOPs and leave decode HBM-bound.
 
-``mla-prefill`` uses the naive (non-absorbed) form: per (sequence, head) work item, K_h =
-[bf16(c_kv @ W_UK[h]^T) | k_pe] and V_h = bf16(c_kv @ W_UV[h]^T) are decompressed into SRAM for
-the whole sequence, then causal flash attention over square tiles (the diagonal tile adds a
-constant [T, T] mask input of 0 / -inf). Items are spread over cores; each item re-reads the
-sequence's latent cache (c_kv is small next to the attention FLOPs, which bound prefill).
+``mla-prefill`` uses the naive (non-absorbed) form on a chunk of ``seq`` new tokens per
+sequence after ``prior`` tokens already cached (chunked prefill; shape key ``prior``, a multiple
+of 32 like mla-decode's context, 0 for a whole prompt). ``kv_cache`` arrives with all
+prior + seq rows of each sequence filled, the chunk's included (the model's append step writes
+them, k_pe rotated), in mla-decode's layout; the kernel only reads it. ``q`` rows are the
+chunk's tokens, q_pe rotated at positions prior..prior+seq-1. Per (sequence, head) work item,
+K_h = [bf16(c_kv @ W_UK[h]^T) | k_pe] and V_h = bf16(c_kv @ W_UV[h]^T) are decompressed into SRAM
+for all prior + seq tokens, then causal flash attention over T-token tiles: query tile i walks
+the prior context's key tiles unmasked, then the chunk's key tiles (aligned with the query
+tiles) up to its diagonal, which adds a constant [T, T] mask input of 0 / -inf. Items are spread
+over cores; each item re-reads the sequence's latent cache (c_kv is small next to the attention
+FLOPs, which bound prefill). K_h and V_h of the whole context must fit a core's scratchpad:
+with DeepSeek's dims and a 2048-token chunk on jalapeno-v1 the tile is 256 up to prior 4096,
+224 at prior 6144, and shrinks to 32 (many more, smaller instructions) near prior 8192; beyond
+about prior + seq = 10k tokens the shape is refused.
 
 Softmax scale: shape key ``softmax_scale``; 0 means the plain 1/sqrt(nope_dim + rope_dim).
 DeepSeek-V3/R1 with YaRN (factor 40, mscale_all_dim 1) use ``yarn_softmax_scale()`` = that times
@@ -141,20 +151,23 @@ def mla_decode_reference(q, kv_cache, w_kv_b, *, batch: int, context: int, heads
 
 
 def mla_prefill_reference(q, kv_cache, w_kv_b, *, batch: int, seq: int, heads: int, rank: int,
-                          rope: int, nope: int, v: int, scale: float):
+                          rope: int, nope: int, v: int, scale: float, prior: int = 0):
     """Naive-form causal MLA prefill in pure JAX: decompress K/V (BF16), then attention.
 
+    q [batch*seq*heads, nope+rope] holds the chunk's queries (positions prior..prior+seq-1),
+    kv_cache [batch*(prior+seq), rank+rope] every cached token, the chunk's included.
     Returns out [batch*seq*heads, v] BF16.
     """
+    ctx = prior + seq
     qq = _f32(q).reshape(batch, seq, heads, nope + rope).transpose(0, 2, 1, 3)  # [B, H, S, .]
-    kv = _f32(kv_cache).reshape(batch, seq, rank + rope)
+    kv = _f32(kv_cache).reshape(batch, ctx, rank + rope)
     w_uk, w_uv = _split_w(w_kv_b, heads, nope, v)
     k_nope = _bf16(jnp.einsum("bsr,hnr->bhsn", kv[..., :rank], w_uk))
-    k_pe = jnp.broadcast_to(kv[:, None, :, rank:], (batch, heads, seq, rope))
+    k_pe = jnp.broadcast_to(kv[:, None, :, rank:], (batch, heads, ctx, rope))
     k = jnp.concatenate([k_nope, k_pe], axis=-1)
     vv = _bf16(jnp.einsum("bsr,hvr->bhsv", kv[..., :rank], w_uv))
     s = jnp.einsum("bhqd,bhkd->bhqk", qq, k) * jnp.float32(scale)
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    causal = jnp.arange(ctx)[None, :] <= prior + jnp.arange(seq)[:, None]  # key position <= query's
     s = jnp.where(causal, s, -jnp.inf)
     out = _softmax_pv(s, vv).transpose(0, 2, 1, 3)  # [B, S, H, v]
     return np.asarray(out.reshape(batch * seq * heads, v).astype(jnp.bfloat16))
@@ -517,25 +530,40 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
 
 
 # --- prefill --------------------------------------------------------------------------------
+def _prefill_key_tiles(prior: int, seq: int, t: int) -> list[tuple[int, int]]:
+    """(start, n) key tiles of a prefill chunk: the prior context's from 0 in t-token tiles, then
+    the chunk's from ``prior`` aligned with its query tiles (so that each query tile's last key
+    tile is its diagonal, always the same causal mask)."""
+    return ([(k0, min(t, prior - k0)) for k0 in range(0, prior, t)]
+            + [(prior + q0, min(t, seq - q0)) for q0 in range(0, seq, t)])
+
+
 def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """Naive-form causal MLA prefill over ``batch`` sequences of ``seq`` tokens (no prior context)."""
+    """Naive-form causal MLA prefill: ``batch`` sequences, each adding a chunk of ``seq`` tokens
+    after ``prior`` tokens already in the latent cache (see the module doc)."""
     _check_dims(shape, "seq")
-    B, S, H = shape["batch"], shape["seq"], shape["q_heads"]
+    B, S, H, prior = shape["batch"], shape["seq"], shape["q_heads"], shape["prior"]
+    if prior < 0 or prior % 32:
+        raise InvalidArgumentError(
+            f"shape key prior={prior} must be a multiple of 32 and >= 0: the cached tokens are the "
+            "contraction (K) dimension of P @ V, which runs in 32-token blocks (as mla-decode's context)")
     R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
     scale = _scale(shape)
-    W, D = R + P, N + P  # cache row, q/k head dim
+    W, D, C = R + P, N + P, prior + S  # cache row, q/k head dim, cached tokens after this chunk
     cap_s, cap_a = spec.sram.scratchpad_bytes, spec.sram.accumulator_bytes
-    # Per item: Q_h, K_h, V_h and out_h for the whole sequence stay in SRAM; per tile T the
-    # latent tiles, the mask and the flash buffers (quadratic in T, so try T from the top).
-    sram_fixed = S * (2 * D + V + V) * 2 + (N + V) * R * 2 + _SLACK
+    # Per item: K_h and V_h for every cached token and Q_h and out_h for the chunk stay in SRAM;
+    # per tile T the latent tiles, the mask and the flash buffers (quadratic in T, so try T from
+    # the top).
+    sram_fixed = (C + S) * (D + V) * 2 + (N + V) * R * 2 + _SLACK
 
     def fits(t: int) -> bool:
         sram = sram_fixed + 2 * t * W * 2 + t * t * 4 + _Flash.sram_bytes(t, t, V)
         return sram <= cap_s and _Flash.acc_bytes(t, t, V) + 2 * t * (N + V) * 4 <= cap_a
 
-    what = (f"seq={S} with head dims {D} (q/k) and {V} (v) needs {sram_fixed:,} B of scratchpad "
-            f"for one (sequence, head) item's Q, K, V and output plus the tiles; {spec.name} has "
-            f"{cap_s:,} B of scratchpad and {cap_a:,} B of accumulators per core")
+    what = (f"prior+seq={C} with head dims {D} (q/k) and {V} (v) needs {sram_fixed:,} B of scratchpad "
+            f"for one (sequence, head) item's K and V over prior+seq tokens and Q and output over seq "
+            f"plus the tiles; {spec.name} has {cap_s:,} B of scratchpad and {cap_a:,} B of "
+            "accumulators per core")
     if shape["kv_tile"]:
         T = shape["kv_tile"]
         if T % 32:
@@ -547,22 +575,24 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         if not T:
             raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
 
-    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_h{H}", chip=spec)
+    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_p{prior}_h{H}", chip=spec)
     q_h = kb.hbm("q", (B * S * H, D), "bf16")
-    kv_h = kb.hbm("kv_cache", (B * S, W), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * C, W), "bf16")
     w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
     mask_h = kb.hbm("causal_mask", (T, T), "f32")
     out_h = kb.hbm("out", (B * S * H, V), "bf16")
     items = [(b, h) for b in range(B) for h in range(H)]
     cores = min(spec.core.count, len(items))
-    starts = list(range(0, S, T))
+    starts = list(range(0, S, T))  # query tiles (chunk offsets)
+    ktiles = _prefill_key_tiles(prior, S, T)
+    n_prior = len(ktiles) - len(starts)
     for c in range(cores):
         mine = items[c::cores]
         core = kb.core(c)
         fl = _Flash(kb, c, T, T, V, scale)
         wuk, wuv = kb.sram(c, "wuk", (N, R), "bf16"), kb.sram(c, "wuv", (V, R), "bf16")
-        qs, ks = kb.sram(c, "q", (S, D), "bf16"), kb.sram(c, "k", (S, D), "bf16")
-        vs, os_ = kb.sram(c, "v", (S, V), "bf16"), kb.sram(c, "out", (S, V), "bf16")
+        qs, ks = kb.sram(c, "q", (S, D), "bf16"), kb.sram(c, "k", (C, D), "bf16")
+        vs, os_ = kb.sram(c, "v", (C, V), "bf16"), kb.sram(c, "out", (S, V), "bf16")
         mask = kb.sram(c, "mask", (T, T), "f32")
         ckv = [kb.sram(c, f"ckv{i}", (T, W), "bf16") for i in range(2)]
         acc_k = [kb.acc(c, f"acc_k{i}", (T, N)) for i in range(2)]
@@ -580,19 +610,19 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                 dq.wait(sem["item_mxu_done"], it)
             dq.load(wuk, w_h.sub(h * (N + V), 0, N, R))
             dq.load(wuv, w_h.sub(h * (N + V) + N, 0, V, R))
-            dq.load(ks.sub(0, N, S, P), kv_h.sub(b * S, R, S, P))  # k_pe, shared by all heads
+            dq.load(ks.sub(0, N, C, P), kv_h.sub(b * C, R, C, P))  # k_pe, shared by all heads
             dq.signal(sem["w"])
-            # Decompress K_h (nope part) and V_h tile by tile.
-            for i, t0 in enumerate(starts):
-                n, k = min(T, S - t0), d + i
+            # Decompress K_h (nope part) and V_h tile by tile, prior context and chunk alike.
+            for i, (k0, n) in enumerate(ktiles):
+                k = d + i
                 if k >= 2:
                     dq.wait(sem["ckv_used"], k - 1)
-                dq.load(ckv[k % 2].sub(0, 0, n, W), kv_h.sub(b * S + t0, 0, n, W))
+                dq.load(ckv[k % 2].sub(0, 0, n, W), kv_h.sub(b * C + k0, 0, n, W))
                 dq.signal(sem["ckv"])
-            for i, t0 in enumerate(starts):
-                n, k = min(T, S - t0), d + i
+            core.mxu.wait(sem["w"], it + 1)
+            for i, (k0, n) in enumerate(ktiles):
+                k = d + i
                 src = ckv[k % 2].sub(0, 0, n, R)
-                core.mxu.wait(sem["w"], it + 1)
                 core.mxu.wait(sem["ckv"], k + 1)
                 if k >= 2:
                     core.mxu.wait(sem["kv_acc_free"], k - 1)
@@ -601,10 +631,10 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                 core.mxu.signal(sem["ckv_used"])
                 core.mxu.signal(sem["kv_acc"])
                 core.vpu.wait(sem["kv_acc"], k + 1)
-                core.vpu.acc_read(ks.sub(t0, 0, n, N), acc_k[k % 2].sub(0, 0, n, N))
-                core.vpu.acc_read(vs.sub(t0, 0, n, V), acc_v[k % 2].sub(0, 0, n, V))
+                core.vpu.acc_read(ks.sub(k0, 0, n, N), acc_k[k % 2].sub(0, 0, n, N))
+                core.vpu.acc_read(vs.sub(k0, 0, n, V), acc_v[k % 2].sub(0, 0, n, V))
                 core.vpu.signal(sem["kv_acc_free"])
-            d += len(starts)
+            d += len(ktiles)
             core.vpu.signal(sem["kv_written"])
             # Q_h, one query tile per descriptor so that the first tile can start early.
             q_rows = q_h.sub(0, 0, B * S * H, D)
@@ -616,8 +646,9 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             tiles = []
             for i, t0 in enumerate(starts):
                 nq = min(T, S - t0)
-                for j in range(i + 1):
-                    k0, nk = j * T, min(T, S - j * T)
+                keys = ktiles[:n_prior + i + 1]  # the whole prior context, the chunk up to the diagonal
+                for j, (k0, nk) in enumerate(keys):
+                    diag = j == len(keys) - 1
 
                     # Called inside fl.run below, in this item's iteration; defaults bind anyway.
                     def scores(acc, i=i, t0=t0, nq=nq, k0=k0, nk=nk, j=j, it=it, core=core, sem=sem,
@@ -636,8 +667,8 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                         core.vpu.mul(os_.sub(t0, 0, nq, V), o, linv)
                         core.vpu.signal(sem["out_ready"])
 
-                    tiles.append(_FlashTile(nq, nk, i % 2, j == 0, j == i, scores, pv, finish,
-                                            mask.sub(0, 0, nq, nk) if j == i else None))
+                    tiles.append(_FlashTile(nq, nk, i % 2, j == 0, diag, scores, pv, finish,
+                                            mask.sub(0, 0, nq, nk) if diag else None))
             fl.run(tiles)
             core.mxu.signal(sem["item_mxu_done"])
             sq = core.dma[2]
@@ -651,19 +682,19 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
 
     def make_inputs(seed: int) -> dict[str, Any]:
-        ins = _inputs(seed, B * S * H, B * S, H, R, P, N, V)
+        ins = _inputs(seed, B * S * H, B * C, H, R, P, N, V)
         ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
         return ins
 
     def reference(inputs):
         return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                             batch=B, seq=S, **dims)}
+                                             batch=B, seq=S, prior=prior, **dims)}
 
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
         outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
-        notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale,
-               "form": "naive (decompressed K/V)"},
+        notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
+               "key_tiles": len(ktiles), "form": "naive (decompressed K/V)"},
     )
 
 
@@ -700,8 +731,10 @@ MLA_PREFILL = register(KernelDef(
         "head, causal flash attention.",
     shape_keys=(
         ShapeKey("batch", int, 1, "sequences", minimum=1),
-        ShapeKey("seq", int, 64, "tokens per sequence (causal, no prior context); multiple of 32",
+        ShapeKey("seq", int, 64, "new tokens per sequence (this chunk, causal); multiple of 32",
                  minimum=32),
+        ShapeKey("prior", int, 0, "tokens already in each sequence's latent cache before this chunk; "
+                 "multiple of 32", minimum=0),
         *_COMMON,
     ),
     build=build_mla_prefill,

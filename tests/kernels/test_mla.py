@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
@@ -89,10 +90,58 @@ def test_decode_matches_reference_over_tiles_and_sequences():
     assert r.notes["kv_tile"] == 32 and r.summary["time_s"] >= r.summary["lower_bound_s"]
 
 
-def test_prefill_matches_reference_causal_over_tiles():
-    r = run_kernel("mla-prefill", {"batch": 2, "seq": 96, "q_heads": 3, "kv_tile": 32,
-                                   "softmax_scale": yarn_softmax_scale(64)}, check=True)
+@pytest.mark.parametrize("shape", [
+    {"batch": 2, "seq": 96, "q_heads": 3, "kv_tile": 32, "softmax_scale": yarn_softmax_scale(64)},
+    {"prior": 64},  # one query tile over a prior tile and its diagonal
+    {"batch": 2, "seq": 64, "prior": 96, "q_heads": 3, "kv_tile": 32},  # 3 prior tiles, 2 query tiles
+])
+def test_prefill_matches_reference_causal_over_tiles(shape):
+    r = run_kernel("mla-prefill", shape, check=True)
     assert r.check["passed"], r.check
+    t = r.notes["tile"]
+    assert r.notes["key_tiles"] == -(-shape.get("prior", 0) // t) + -(-r.shape["seq"] // t)
+
+
+def test_prefill_reference_with_prior_matches_float64():
+    """Queries at positions prior.. see every cached token up to their own: decompress-then-attend
+    in float64 over the whole cache agrees with the BF16-rounding reference."""
+    B, S, prior, H, R, P, N, V = 2, 32, 64, 2, 64, 32, 32, 32
+    kdef = get_kernel("mla-prefill")
+    build = kdef.build(kdef.shape({"batch": B, "seq": S, "prior": prior, "q_heads": H}), load_preset("tiny"))
+    inputs = build.make_inputs(5)
+    got = np.asarray(build.reference(inputs)["out"], np.float64).reshape(B, S, H, V)
+    q = np.asarray(inputs["q"], np.float64).reshape(B, S, H, N + P)
+    kv = np.asarray(inputs["kv_cache"], np.float64).reshape(B, prior + S, R + P)
+    w = np.asarray(inputs["w_kv_b"], np.float64).reshape(H, N + V, R)
+    k = np.concatenate([np.einsum("bcr,hnr->bhcn", kv[..., :R], w[:, :N]),
+                        np.broadcast_to(kv[:, None, :, R:], (B, H, prior + S, P))], axis=-1)
+    v = np.einsum("bcr,hvr->bhcv", kv[..., :R], w[:, N:])
+    s = np.einsum("bshd,bhcd->bhsc", q, k) / math.sqrt(N + P)
+    s = np.where(np.arange(prior + S)[None, :] <= prior + np.arange(S)[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhsc,bhcv->bshv", p / p.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(got, want, atol=0.02, rtol=0.02)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    """64 tokens at prior 0, then 32 at prior 64 over the same latent cache: the outputs of one
+    prefill of 96 tokens (the kernel reads the cache, so the chunks see exactly its rows)."""
+    kdef, spec = get_kernel("mla-prefill"), load_preset("tiny")
+    B, H, W = 2, 3, 64 + 32
+    base = {"batch": B, "q_heads": H, "kv_tile": 32}
+    whole = kdef.build(kdef.shape(dict(base, seq=96)), spec)
+    ins = whole.make_inputs(0)
+    want = np.asarray(run_functional(whole.program, ins).read("out", "bf16", (B * 96 * H, 32)),
+                      np.float32).reshape(B, 96, H, 32)
+    q = np.asarray(ins["q"]).reshape(B, 96, H, -1)
+    kv = np.asarray(ins["kv_cache"]).reshape(B, 96, W)
+    for lo, hi in ((0, 64), (64, 96)):
+        part = kdef.build(kdef.shape(dict(base, seq=hi - lo, prior=lo)), spec)
+        pins = dict(part.make_inputs(0), w_kv_b=ins["w_kv_b"], q=q[:, lo:hi].reshape(-1, q.shape[-1]),
+                    kv_cache=kv[:, :hi].reshape(-1, W))
+        got = np.asarray(run_functional(part.program, pins).read("out", "bf16", (B * (hi - lo) * H, 32)),
+                         np.float32).reshape(B, hi - lo, H, 32)
+        np.testing.assert_allclose(got, want[:, lo:hi], atol=whole.tolerance.atol, rtol=whole.tolerance.rtol)
 
 
 def test_impossible_shapes_are_refused_before_building():
@@ -105,6 +154,12 @@ def test_impossible_shapes_are_refused_before_building():
         run_kernel("mla-decode", DEEPSEEK)
     with pytest.raises(InvalidArgumentError, match="tiling cannot hold"):
         run_kernel("mla-prefill", {"seq": 8192})
+    with pytest.raises(InvalidArgumentError, match="prior=48 must be a multiple of 32"):
+        run_kernel("mla-prefill", {"prior": 48})
+    with pytest.raises(InvalidArgumentError, match="prior=-32 must be >= 0"):
+        run_kernel("mla-prefill", {"prior": -32})
+    with pytest.raises(InvalidArgumentError, match="tiling cannot hold this shape: prior\\+seq=18432"):
+        run_kernel("mla-prefill", {"batch": 1, "seq": 2048, "prior": 16384, **DEEPSEEK}, preset="jalapeno-v1")
     with pytest.raises(InvalidArgumentError, match="kv_tile=48"):
         run_kernel("mla-decode", {"kv_tile": 48})
     with pytest.raises(InvalidArgumentError, match="softmax_scale"):
@@ -132,3 +187,16 @@ def test_prefill_full_dims_timing_only():
     # causal: 128 heads x (QK^T + PV) over the lower triangle of 2x2 tiles of 256, plus decompression
     assert s["flops"] > 2 * 128 * (512 * 512 / 2) * (192 + 128)
     assert s["time_s"] >= s["lower_bound_s"] and s["mxu_utilization"] > 0.05
+
+
+def test_prefill_chunk_over_prior_context_full_dims_timing_only():
+    """DeepSeek-R1 dims, a 512-token chunk after 1536 cached tokens (timing only): every (sequence,
+    head) item reads the whole latent cache and decompresses K and V for all 2048 tokens."""
+    r = run_kernel("mla-prefill", {"batch": 1, "seq": 512, "prior": 1536, **DEEPSEEK}, preset="jalapeno-v1",
+                   safety_checks=False)
+    s = r.summary
+    attention = 2 * 128 * 512 * (1536 + 512 / 2) * (192 + 128)  # QK^T and PV, prior + causal keys
+    decompress = 2 * 128 * 2048 * 512 * (128 + 128)  # c_kv @ W_UK^T and @ W_UV^T per head
+    assert s["flops"] >= attention + decompress
+    assert s["hbm_bytes"] >= 128 * 2048 * (512 + 64) * 2  # the latent cache once per item
+    assert s["time_s"] >= s["lower_bound_s"]

@@ -727,8 +727,9 @@ MLA_DECODE = register(KernelDef(
 
 MLA_PREFILL = register(KernelDef(
     name="mla-prefill",
-    doc="Multi-head latent attention prefill, naive form: K/V decompressed from the latent per "
-        "head, causal flash attention.",
+    doc="Multi-head latent attention prefill, naive form: a chunk of new tokens over the prior "
+        "context in the latent cache and themselves; K/V decompressed from the latent per head, "
+        "causal flash attention.",
     shape_keys=(
         ShapeKey("batch", int, 1, "sequences", minimum=1),
         ShapeKey("seq", int, 64, "new tokens per sequence (this chunk, causal); multiple of 32",

@@ -46,6 +46,16 @@ an index the device computes:
 first): no router, no routing, no gathers; the items are the shared experts' slices, and the HBM
 bytes are the shared weights, x (once per working core) and y.
 
+**Two programs** (``grouping``). ``dense`` is the program described here: every expert slot
+computes all T tokens, which costs nothing extra while T fits one 128-row tile of the matrix unit,
+and the [T, H] FP32 partial must fit a core's accumulators. ``gather`` (``moe_gather``) is the
+prefill program: per 128-token block each expert gets a list of the tokens that chose it (static
+capacity ``ceil(128 * top_k / experts * capacity_factor)``; more is an error of the functional
+pass, never a silent drop), computes only those rows, and the outputs are gathered back per token
+-- work and bytes scale with T * top_k, and any T (a multiple of a block of 32..128 tokens)
+fits. ``auto`` picks dense up to 128 tokens when its partial fits, else gather. Dense FFNs at
+large T use the gather program's row-block items (no routing).
+
 Weights are double- to quadruple-buffered per core (as the scratchpad allows), two loads in
 flight (loads in flight share HBM fairly, so fewer of them land the first item's weights
 sooner); the matrix unit runs gate|up of item i+1 while the vector unit computes item i's
@@ -83,9 +93,11 @@ partials are added in core order, y rounded once to BF16.
 
 Not implemented (say so when comparing with the models): gpt-oss's even/odd interleaving of
 gate and up columns (a layout choice; the math is the same); gpt-oss rounds router logits and
-activations to BF16 between operations, this kernel keeps them in FP32. Tokens beyond 128 are
-computed densely per slot too, which wastes matrix-unit work (prefill wants a token-gathering
-variant), and the [T, H] FP32 partial must fit in a core's accumulator memory.
+activations to BF16 between operations, this kernel keeps them in FP32. The gather program's
+capacity is per (expert, 128-token block), so its slack is paid per block (see ``moe_gather``:
+at DeepSeek/gpt-oss shapes each expert computes 2x the rows its tokens need at the default
+capacity_factor 2), and it reads every expert whether or not a token chose it (at prefill sizes
+they all are).
 """
 
 from __future__ import annotations
@@ -109,6 +121,7 @@ from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.isa.table import DTYPES, Space
 
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .moe_gather import GatherPlan, build_gather, gather_reference, plan_gather
 from .moe_pack import (
     chunk_bytes,
     chunk_views,
@@ -131,8 +144,8 @@ from .moe_routing import (
 )
 from .registry import register
 
-__all__ = ["MOE", "MoePlan", "expected_distinct_experts", "moe_reference", "pack_experts", "plan_moe",
-           "unpack_expert_biases", "unpack_experts"]
+__all__ = ["MOE", "GatherPlan", "MoePlan", "expected_distinct_experts", "grouping_of", "moe_reference",
+           "pack_experts", "plan_moe", "unpack_expert_biases", "unpack_experts"]
 
 SWIGLU_ALPHA = 1.702  # gpt-oss swiglu: glu * sigmoid(alpha * glu)
 SWIGLU_LIMIT = 7.0  # gpt-oss swiglu_limit (config): glu <= 7, -7 <= linear <= 7
@@ -147,6 +160,7 @@ _REDUCE_GROUP = 16  # partials pulled per round of the cross-core reduction (bou
 # land after two chunks' share of HBM instead of nbuf (loads in flight share bandwidth fairly).
 _LOOKAHEAD = 2
 _BIAS_PARTS = 3  # a gate weight as hi + mid + lo BF16 parts: exact for FP32 (3 x 8 significand bits)
+_DENSE_TOKENS = 128  # grouping=auto: dense items up to one matrix-unit row tile of tokens
 
 
 def expected_distinct_experts(experts: int, top_k: int, tokens: int) -> float:
@@ -328,9 +342,23 @@ def _slots(shape: dict[str, Any]) -> int:
     return d
 
 
-def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
-    """Validate ``shape`` and choose the split; InvalidArgumentError naming the key otherwise."""
+def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:
+    """"dense" (every slot computes every token) or "gather" (each expert its own tokens); auto:
+    dense up to 128 tokens when the [tokens, hidden] FP32 partial fits a core's accumulators."""
+    g = shape["grouping"]
+    if g != "auto":
+        return g
+    t, h = shape["tokens"], shape["hidden"]
+    fits = 4 * t * h + 2 * 4 * t * 2 * 32 + 4 * t * 128 <= spec.sram.accumulator_bytes
+    return "dense" if t <= _DENSE_TOKENS and fits else "gather"
+
+
+def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan | GatherPlan:
+    """Validate ``shape`` and choose the program and its split (``MoePlan`` for grouping=dense,
+    ``GatherPlan`` for grouping=gather); InvalidArgumentError naming the key otherwise."""
     _check_shape(shape)
+    if grouping_of(shape, spec) == "gather":
+        return plan_gather(shape, spec)
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     s, act_fmt, bias = shape["shared_experts"], shape["act_fmt"], shape["expert_bias"]
     d = _slots(shape)
@@ -440,9 +468,12 @@ def _bias_parts(w: np.ndarray) -> list[np.ndarray]:
     return parts
 
 
-def moe_reference(inputs: dict[str, Any], plan: MoePlan, shape: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Pure-JAX MoE with the kernel's numerics and summation order; {"y": bf16 [T, H],
-    "expert_ids": int32 [D, 1]}."""
+def moe_reference(inputs: dict[str, Any], plan: MoePlan | GatherPlan,
+                  shape: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Pure-JAX MoE with the kernel's numerics and summation order; {"y": bf16 [T, H]} plus, for
+    grouping=dense, "expert_ids": int32 [D, 1]."""
+    if isinstance(plan, GatherPlan):
+        return gather_reference(inputs, plan, shape)
     act_fmt, activation = shape["act_fmt"], shape["activation"]
     x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
     slots, slot_w, routed, routed_b = np.zeros(0, np.int32), np.zeros((0, plan.t), np.float32), [], []
@@ -824,6 +855,8 @@ def _emit_reduction(kb: KernelBuilder, c: int, bufs: dict[int, dict[str, Any]], 
 def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     """The MoE layer step for ``shape`` (keys in ``MOE``) on chip ``spec``."""
     p = plan_moe(shape, spec)
+    if isinstance(p, GatherPlan):
+        return _build_gather_kernel(shape, spec, p)
     t, h, e, k = p.t, p.h, p.e, p.k
     kb = KernelBuilder(f"moe_t{t}_h{h}_i{p.i}_e{e}_k{k}_d{p.d}", chip=spec)
     hbm = _hbm_tensors(kb, p, shape)
@@ -877,7 +910,26 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     )
 
 
-def make_moe_inputs(p: MoePlan, shape: dict[str, Any], seed: int) -> dict[str, Any]:
+def _build_gather_kernel(shape: dict[str, Any], spec: ChipSpec, p: GatherPlan) -> KernelBuild:
+    kb = build_gather(shape, spec, p)
+    rows = sum(it.rows for it in p.items if not it.shared)
+    return KernelBuild(
+        program=kb.build(), make_inputs=lambda seed: make_moe_inputs(p, shape, seed),
+        reference=lambda inputs: gather_reference(inputs, p, shape), outputs={"y": ("bf16", (p.t, p.h))},
+        tolerance=Tolerance(
+            atol=1e-6, rtol=2.0**-7,
+            why="same operations in the same order as the reference (MX matmuls bit-exact, FP32 vector "
+                "steps, the k routed rows then the shared partials added in the kernel's order); exp and "
+                "sigmoid may differ in the last FP32 bit between XLA's code paths"),
+        notes={"grouping": "gather", "block_tokens": p.tb, "capacity": p.cap,
+               "routed_rows": rows, "routed_rows_ideal": p.t * p.k, "distinct_experts": p.e,
+               "expert_bytes": p.expert_bytes, "routed_expert_bytes": p.e * p.expert_bytes,
+               "shared_expert_bytes": p.s * p.expert_bytes, "slice": p.slice_max, "items": len(p.items),
+               "cores": p.cores, "down_block": p.hb, "router_parts": p.router_parts},
+    )
+
+
+def make_moe_inputs(p: MoePlan | GatherPlan, shape: dict[str, Any], seed: int) -> dict[str, Any]:
     """Random inputs for plan ``p``: x ~ N(0, 1), weights scaled to keep activations O(1); gate
     and up scaled up so that gpt-oss's clamp (7) is reached now and then."""
     rng = np.random.default_rng(seed)
@@ -939,6 +991,11 @@ MOE = register(KernelDef(
                  minimum=0),
         ShapeKey("slice", int, 0, "intermediate columns per work item, multiple of 32 (0: automatic)",
                  minimum=0),
+        ShapeKey("grouping", str, "auto", "dense: every expert slot computes every token (T <= 128); "
+                 "gather: each expert computes the tokens that chose it, gathered in and out (prefill); "
+                 "auto: gather above 128 tokens", choices=("auto", "dense", "gather")),
+        ShapeKey("capacity_factor", float, 2.0, "gather: tokens each expert takes per 128-token block, "
+                 "as a multiple of the expected tb*top_k/experts (more is an error, never a drop)"),
         ShapeKey("expert_bias", bool, False, "gpt-oss: experts have gate/up (mlp1) and down (mlp2) "
                  "biases, BF16, packed with their weights"),
         ShapeKey("n_group", int, 1, "sigmoid_topk: expert groups for DeepSeek's group-limited "

@@ -17,6 +17,17 @@ each expert, for each intermediate slice j (columns c0..c0+w of I) one contiguou
 what one work item gathers, so an expert's biases travel with its weights: only the experts a
 token chose are read. The router is stored as R column panels ("router" [R*H, E/R] bf16, panel
 r = Wr[:, r*E/R:(r+1)*E/R]).
+
+**Split layout** (grouping=gather plans, which have ``down_blocks``): the down projection is
+stored by H blocks instead of with each slice, because the gather program multiplies all of an
+expert's intermediate columns by one H block at a time:
+
+    per slice j:      [H, 2w] gate|up codes, [H/32, 2w] scales, [1, 2w] bf16 gate|up bias (bias only)
+    per H block hb:   [I, hw] fp4 codes of Wd[:, hb], [I/32, hw] scales
+    once:             [1, H] bf16 down bias (bias only)
+
+Same bytes per expert; ``chunk_off``/``chunk_sizes`` then locate the slices' gate|up segments,
+``down_off`` the H blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import MXTensor
 
 __all__ = ["ChunkViews", "chunk_bytes", "chunk_views", "pack_experts", "router_logical", "router_panels",
-           "unpack_expert_biases", "unpack_experts"]
+           "split_layout", "unpack_expert_biases", "unpack_experts"]
 
 
 def chunk_bytes(h: int, w: int, bias: bool = False, first: bool = False) -> int:
@@ -85,6 +96,17 @@ def _bf16_bytes(values: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(values).astype(ml_dtypes.bfloat16)).view(np.uint8).reshape(-1)
 
 
+def split_layout(h: int, i: int, slices: tuple[tuple[int, int], ...],
+                 down_blocks: tuple[tuple[int, int], ...],
+                 bias: bool) -> tuple[list[int], list[int], list[int], int]:
+    """The split layout's (gate|up segment offsets, their sizes, H block offsets, expert bytes)."""
+    sizes = [h * w + (h // 32) * 2 * w + (4 * w if bias else 0) for _, w in slices]
+    gu_off = np.cumsum([0, *sizes]).tolist()
+    blocks = [i * hw // 2 + (i // 32) * hw for _, hw in down_blocks]
+    down_off = (gu_off[-1] + np.cumsum([0, *blocks])).tolist()
+    return gu_off[:-1], sizes, down_off[:-1], down_off[-1] + (2 * h if bias else 0)
+
+
 def pack_experts(gate: list[mx.MXArray], up: list[mx.MXArray], down: list[mx.MXArray], plan: Any,
                  gate_bias: list[Any] | None = None, up_bias: list[Any] | None = None,
                  down_bias: list[Any] | None = None) -> np.ndarray:
@@ -102,6 +124,11 @@ def pack_experts(gate: list[mx.MXArray], up: list[mx.MXArray], down: list[mx.MXA
                          "down_bias exactly when it is True")
     n = len(gate)
     out = np.zeros((n, plan.expert_bytes), np.uint8)
+    if getattr(plan, "down_blocks", ()):
+        for e, (g, u, dn) in enumerate(zip(gate, up, down, strict=True)):
+            biases = (gate_bias[e], up_bias[e], down_bias[e]) if plan.expert_bias else None
+            out[e] = _pack_split(g, u, dn, biases, plan)
+        return out
     for e, (g, u, dn) in enumerate(zip(gate, up, down, strict=True)):
         gc, gs, uc, us = (np.asarray(a) for a in (g.codes, g.scales, u.codes, u.scales))
         dc, ds = np.asarray(dn.codes), np.asarray(dn.scales)
@@ -119,11 +146,56 @@ def pack_experts(gate: list[mx.MXArray], up: list[mx.MXArray], down: list[mx.MXA
     return out
 
 
+def _pack_split(g: mx.MXArray, u: mx.MXArray, dn: mx.MXArray, biases: tuple | None, plan: Any) -> np.ndarray:
+    gc, gs, uc, us = (np.asarray(a) for a in (g.codes, g.scales, u.codes, u.scales))
+    dc, ds = np.asarray(dn.codes), np.asarray(dn.scales)
+    parts = []
+    for c0, w in plan.slices:
+        parts += [_fp4_bytes(np.concatenate([gc[:, c0:c0 + w], uc[:, c0:c0 + w]], axis=1)),
+                  np.concatenate([gs[:, c0:c0 + w], us[:, c0:c0 + w]], axis=1).reshape(-1)]
+        if biases is not None:
+            gb, ub = np.asarray(biases[0]), np.asarray(biases[1])
+            parts.append(_bf16_bytes(np.concatenate([gb[c0:c0 + w], ub[c0:c0 + w]])))
+    for h0, hw in plan.down_blocks:
+        parts += [_fp4_bytes(dc[:, h0:h0 + hw]), np.ascontiguousarray(ds[:, h0:h0 + hw]).reshape(-1)]
+    if biases is not None:
+        parts.append(_bf16_bytes(biases[2]))
+    return np.concatenate(parts)
+
+
+def _unpack_split(row: np.ndarray, plan: Any) -> tuple[tuple[mx.MXArray, ...], tuple[np.ndarray, ...]]:
+    h, i = plan.h, plan.i
+    gc, gs = np.zeros((h, i), np.uint8), np.zeros((h // 32, i), np.uint8)
+    uc, us = np.zeros_like(gc), np.zeros_like(gs)
+    dc, ds = np.zeros((i, h), np.uint8), np.zeros((i // 32, h), np.uint8)
+    gb, ub, db = np.zeros(i, np.float32), np.zeros(i, np.float32), np.zeros(h, np.float32)
+    for (c0, w), off in zip(plan.slices, plan.chunk_off, strict=True):
+        gu = _fp4_codes(row[off:off + h * w], h, 2 * w)
+        gus = row[off + h * w:off + h * w + (h // 32) * 2 * w].reshape(h // 32, 2 * w)
+        gc[:, c0:c0 + w], uc[:, c0:c0 + w] = gu[:, :w], gu[:, w:]
+        gs[:, c0:c0 + w], us[:, c0:c0 + w] = gus[:, :w], gus[:, w:]
+        if plan.expert_bias:
+            o = off + h * w + (h // 32) * 2 * w
+            vals = row[o:o + 4 * w].copy().view(ml_dtypes.bfloat16).astype(np.float32)
+            gb[c0:c0 + w], ub[c0:c0 + w] = vals[:w], vals[w:]
+    for (h0, hw), off in zip(plan.down_blocks, plan.down_off, strict=True):
+        dc[:, h0:h0 + hw] = _fp4_codes(row[off:off + i * hw // 2], i, hw)
+        ds[:, h0:h0 + hw] = row[off + i * hw // 2:off + i * hw // 2 + (i // 32) * hw].reshape(i // 32, hw)
+    if plan.expert_bias:
+        db[:] = row[plan.expert_bytes - 2 * h:].copy().view(ml_dtypes.bfloat16).astype(np.float32)
+    weights = tuple(mx.MXArray(codes=c, scales=sc, fmt="e2m1", axis=0, block_size=32)
+                    for c, sc in ((gc, gs), (uc, us), (dc, ds)))
+    return weights, (gb, ub, db)
+
+
 def unpack_experts(table: np.ndarray, plan: Any) -> list[tuple[mx.MXArray, mx.MXArray, mx.MXArray]]:
     """The packed table -> per expert (gate [H, I], up [H, I], down [I, H]) MXFP4 MXArrays."""
     h, i = plan.h, plan.i
+    rows = np.asarray(table, np.uint8).reshape(-1, plan.expert_bytes)
+    if getattr(plan, "down_blocks", ()):
+        return [_unpack_split(row, plan)[0] for row in rows]
     out = []
-    for row in np.asarray(table, np.uint8).reshape(-1, plan.expert_bytes):
+    for row in rows:
         gc, gs = np.zeros((h, i), np.uint8), np.zeros((h // 32, i), np.uint8)
         uc, us = np.zeros_like(gc), np.zeros_like(gs)
         dc, ds = np.zeros((i, h), np.uint8), np.zeros((i // 32, h), np.uint8)
@@ -147,8 +219,11 @@ def unpack_expert_biases(table: np.ndarray, plan: Any) -> list[tuple[np.ndarray,
     """The packed table -> per expert (gate_bias [I], up_bias [I], down_bias [H]) float32 (from
     BF16); needs ``plan.expert_bias``."""
     h, i = plan.h, plan.i
+    rows = np.asarray(table, np.uint8).reshape(-1, plan.expert_bytes)
+    if getattr(plan, "down_blocks", ()):
+        return [_unpack_split(row, plan)[1] for row in rows]
     out = []
-    for row in np.asarray(table, np.uint8).reshape(-1, plan.expert_bytes):
+    for row in rows:
         gb, ub = np.zeros(i, np.float32), np.zeros(i, np.float32)
         db = np.zeros(h, np.float32)
         for j, ((c0, w), off) in enumerate(zip(plan.slices, plan.chunk_off, strict=True)):

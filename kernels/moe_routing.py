@@ -62,8 +62,9 @@ from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle
 
-__all__ = ["GATE_EPS", "RoutingDims", "check_routing_keys", "emit_route_constants", "emit_routing",
-           "fill_constant", "group_reference", "route_reference", "routing_buffers", "routing_dims"]
+__all__ = ["GATE_EPS", "RoutingDims", "check_routing_keys", "emit_gating", "emit_route_constants",
+           "emit_routing", "fill_constant", "fill_ids", "flat_rows", "group_reference", "route_reference",
+           "routing_buffers", "routing_dims"]
 
 GATE_EPS = 1e-20  # DeepSeek adds it to the sum of the chosen sigmoid scores
 
@@ -215,7 +216,7 @@ def routing_buffers(rd: RoutingDims, d_max: int) -> list[tuple[str, str, tuple[i
     return out
 
 
-def _flat(tile: Tile, row0: int, rows: int) -> Tile:
+def flat_rows(tile: Tile, row0: int, rows: int) -> Tile:
     """Rows row0..row0+rows of a packed tile as one [1, rows * cols] row."""
     return Tile(tile.space, tile.core, tile.offset + row0 * tile.stride, tile.dtype, 1, rows * tile.cols)
 
@@ -230,7 +231,7 @@ def fill_constant(v: EngineHandle, dst: Tile, value: float, src: Tile) -> None:
             v.clamp(dst.sub(r0, c0, rr, cc), src.sub(0, 0, rr, cc), value, value)
 
 
-def _fill_ids(v: EngineHandle, dst_row: Tile, n_ids: int, ones: Tile, scratch: Tile) -> None:
+def fill_ids(v: EngineHandle, dst_row: Tile, n_ids: int, ones: Tile, scratch: Tile) -> None:
     """dst_row [1, L] (i32) = 0, 1, ..., n_ids-1, 0, 1, ...: ``vec.topk`` of equal values returns
     the indices in increasing order (ties go to the lower index)."""
     for c0 in range(0, dst_row.cols, n_ids):
@@ -248,14 +249,14 @@ def emit_route_constants(v: EngineHandle, B: dict[str, Tile], rd: RoutingDims, x
     t, e, k = rd.t, rd.e, rd.k
     ones, scratch = B["iota_src"], B["iota_val"]
     fill_constant(v, ones, 1.0, x)
-    _fill_ids(v, _flat(B["msrc"], t, rd.pad_e), e, ones, scratch)
+    fill_ids(v, flat_rows(B["msrc"], t, rd.pad_e), e, ones, scratch)
     fill_constant(v, B["mw"].sub(0, 0, t, k), 1.0, x)
-    fill_constant(v, _flat(B["mw"], t, rd.pad_e), 0.0, x)
+    fill_constant(v, flat_rows(B["mw"], t, rd.pad_e), 0.0, x)
     if rd.groups > 1:
         tg = rd.topk_group
-        _fill_ids(v, _flat(B["gsrc"], t, rd.pad_g), rd.groups, ones, scratch)
+        fill_ids(v, flat_rows(B["gsrc"], t, rd.pad_g), rd.groups, ones, scratch)
         fill_constant(v, B["gw1"].sub(0, 0, t, tg), 1.0, x)
-        fill_constant(v, _flat(B["gw1"], t, rd.pad_g), 0.0, x)
+        fill_constant(v, flat_rows(B["gw1"], t, rd.pad_g), 0.0, x)
 
 
 def _column(tile: Tile, row: int, n: int) -> Tile:
@@ -267,6 +268,13 @@ def emit_routing(v: EngineHandle, B: dict[str, Tile], rd: RoutingDims, routed_sc
                  d: int) -> None:
     """Vector-unit routing of all T tokens from B["logits"] (FP32 [T, E], consts loaded): fills
     ``slot_ids`` [D, 1] and ``slot_w`` [D, T] with ``vec.group``."""
+    emit_gating(v, B, rd, routed_scaling_factor)
+    v.group(B["slot_ids"].sub(0, 0, d, 1), B["slot_w"].sub(0, 0, d, rd.t), B["idx"], B["gw"])
+
+
+def emit_gating(v: EngineHandle, B: dict[str, Tile], rd: RoutingDims, routed_scaling_factor: float) -> None:
+    """Vector-unit top-k and gating of all T tokens from B["logits"] (FP32 [T, E], consts loaded):
+    each token's expert ids in B["idx"] and weights in B["gw"], both [T, k]."""
     t = rd.t
     logits, vals, idx, gw, col = (B[n] for n in ("logits", "vals", "idx", "gw", "col"))
     if rd.router == "softmax_topk":
@@ -289,7 +297,6 @@ def emit_routing(v: EngineHandle, B: dict[str, Tile], rd: RoutingDims, routed_sc
         v.recip(col, col)
         v.mul(gw, vals, col)
         v.scale(gw, gw, routed_scaling_factor)
-    v.group(B["slot_ids"].sub(0, 0, d, 1), B["slot_w"].sub(0, 0, d, t), idx, gw)
 
 
 def _emit_noaux_select(v: EngineHandle, B: dict[str, Tile], rd: RoutingDims) -> None:

@@ -148,10 +148,18 @@ def test_deepseek_noaux_routing_matches_hf_semantics():
         assert (np.sort(other, axis=1) != np.sort(ids, axis=1)).any(), off
 
 
-def test_gpt_oss_expert_biases_travel_with_the_experts():
-    # gpt-oss has no shared expert; one here also covers the weight-1 bias path.
-    shape = {"expert_bias": True, "shared_experts": 1, "act_fmt": "bf16"}
-    b, full, inputs, res = _run_once(shape)
+# gpt-oss has no shared expert; one here also covers the weight-1 bias path.
+BIAS_TINY = {"expert_bias": True, "shared_experts": 1, "act_fmt": "bf16"}
+
+
+@pytest.fixture(scope="module")
+def bias_run():
+    """The dense program's run on BIAS_TINY (shared by the dense and gather tests)."""
+    return _run_once(BIAS_TINY)
+
+
+def test_gpt_oss_expert_biases_travel_with_the_experts(bias_run):
+    b, full, inputs, res = bias_run
     got = res.read("y")
     assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
     spec = load_preset("tiny")
@@ -311,3 +319,66 @@ def test_full_size_deepseek_r1_decode_timing_only():
     weights = n["routed_expert_bytes"] + n["shared_expert_bytes"]
     assert weights < s["hbm_bytes"] < 1.02 * weights
     assert s["bound"] in ("hbm", "compute") and s["time_s"] < 1.4 * s["lower_bound_s"]
+
+
+# --- grouping=gather: tokens gathered per expert, outputs gathered back ---------------------------
+GATHER_TINY = {**BIAS_TINY, "grouping": "gather", "capacity_factor": 3.0}  # capacity 3 of a 4-token
+# block: the overflow check runs
+
+
+def test_gather_program_matches_reference_model_and_dense_program(bias_run):
+    b, full, inputs, res = _run_once(GATHER_TINY)
+    got = res.read("y")
+    assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
+    want, _ = _oracle(inputs, full, load_preset("tiny"))
+    assert _rel(got, want) < 0.01
+    # The dense program on the same weights (packed its own way) computes the same layer; only the
+    # FP32 order of the sums over experts differs.
+    d_y = bias_run[3].read("y").astype(np.float64)
+    assert np.allclose(got.astype(np.float64), d_y, rtol=2.0**-7, atol=1e-6)
+    assert b.notes["routed_rows"] == full["experts"] * b.notes["capacity"] == 8 * 3  # one block
+
+
+def test_gather_capacity_overflow_is_an_error_not_a_drop():
+    shape = {"grouping": "gather", "tokens": 8}  # capacity 4 of 8: some expert gets 5 of these tokens
+    kdef, spec = get_kernel("moe"), load_preset("tiny")
+    b = kdef.build(kdef.shape(shape), spec)
+    assert b.notes["capacity"] == 4
+    inputs = b.make_inputs(0)
+    with pytest.raises(InvalidArgumentError, match="capacity=4"):
+        b.reference(inputs)
+    with pytest.raises(OutOfBounds, match="distinct values"):
+        run_functional(b.program, inputs)
+
+
+@pytest.mark.parametrize("shape, match", [
+    ({"grouping": "gather", "distinct_experts": 4}, "distinct_experts=4"),
+    ({"grouping": "gather", "capacity_factor": 0.0}, "capacity_factor"),
+    ({"grouping": "gather", "tokens": 1009}, "tokens=1009"),  # no block size of 32..128 divides it
+])
+def test_gather_refusals(shape, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        run_kernel("moe", shape)
+
+
+def test_full_size_deepseek_r1_prefill_timing_only():
+    shape = {"tokens": 2048, "hidden": 7168, "intermediate": 2048, "experts": 256, "top_k": 8,
+             "shared_experts": 1, "router": "sigmoid_topk", "activation": "silu",
+             "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "score_bias": True}
+    r = run_kernel("moe", shape, preset="jalapeno-v1", check=False, safety_checks=False)
+    s, n = r.summary, r.notes
+    assert n["grouping"] == "gather" and n["capacity"] == 8  # ceil(128 * 8 / 256 * 2) per 128-token block
+    # Each expert computes its tokens' rows (capacity 2x the expected T*k/E), not all T of them:
+    assert n["routed_rows"] == 256 * 16 * 8 == 2 * 2048 * 8
+    weights = n["routed_expert_bytes"] + n["shared_expert_bytes"]
+    assert weights < s["hbm_bytes"] < 1.7 * weights  # + the shared expert per row block, O rows, x
+    assert s["bound"] in ("hbm", "compute") and s["time_s"] < 1.4 * s["lower_bound_s"]
+
+
+def test_full_size_dense_ffn_prefill_timing_only():
+    shape = {"tokens": 2048, "hidden": 7168, "intermediate": 18432, "experts": 0, "top_k": 1,
+             "shared_experts": 1, "activation": "silu"}
+    r = run_kernel("moe", shape, preset="jalapeno-v1", check=False, safety_checks=False)
+    s = r.summary
+    assert r.notes["grouping"] == "gather" and s["bound"] == "compute"
+    assert s["time_s"] < 1.5 * s["lower_bound_s"]

@@ -62,6 +62,7 @@ from jalapeno_emu.rack.routing import ExpertLoad
 __all__ = [
     "ACT_BYTES",
     "ATTENTION_LABELS",
+    "SLOT_TOKENS",
     "chip_config",
     "chip_head_launches",
     "chip_layer_launches",
@@ -82,6 +83,9 @@ ATTENTION_LABELS = frozenset({"kv_append", "attention", "mla_append"})
 """Launches whose shape depends on the cached context (the rest depend on the step's tokens only)."""
 ACT_BYTES = 2
 """Hidden states travel between chips as BF16."""
+SLOT_TOKENS = 128
+"""Tokens up to which the moe kernel computes per expert slot (one matrix-unit row tile; its
+``grouping=auto`` threshold)."""
 _DENSE_PART_CONTEXT = 32  # any context the attention kernels accept; token_launches drops them
 
 
@@ -120,6 +124,10 @@ def routed_moe_launch(
     chip's experts, ``distinct`` expert slots; all rounded to integers and clamped to what the
     kernel takes (top_k in 1..E/ep, distinct in top_k..min(E/ep, tokens * top_k)).
 
+    Above :data:`SLOT_TOKENS` tokens the kernel groups tokens per expert (its ``grouping=auto``
+    picks the gather program), every local expert is an item and the slot count does not apply
+    (``distinct_experts=0``).
+
     Raises:
         InvalidArgumentError: a model without routed experts (from the kernel's shape checks).
     """
@@ -137,7 +145,6 @@ def routed_moe_launch(
         activation=chip.activation,
         router=chip.router,
         expert_bias=chip.expert_bias,
-        distinct_experts=d,
     )
     if chip.router == "sigmoid_topk":
         keys.update(
@@ -146,6 +153,10 @@ def routed_moe_launch(
             topk_group=1,
             score_bias=chip.score_bias,
         )
+    # Up to one 128-token tile the kernel serves expert slots: give it the expected distinct
+    # experts. Beyond, its grouping=auto gathers each expert's tokens and every local expert is an
+    # item, so the slot count does not apply (0, with routing=uniform for kernels without gathering).
+    keys.update(distinct_experts=d if t <= SLOT_TOKENS else 0, routing="uniform")
     return launch("moe", "moe", **keys)
 
 

@@ -1,0 +1,414 @@
+"""``jalapeno-emu serve``, ``sweep`` and ``compare``: a model served on a rack (InferenceX metrics).
+
+``serve`` predicts one ISL/OSL/concurrency point (searching the best mapping unless one is given);
+``sweep`` runs every concurrency with the mappings worth simulating there and prints the Pareto
+frontier (plot, CSV); ``compare`` puts presets side by side at matched concurrencies. Kernel
+timings are kept on disk between runs (``--no-cache`` to re-time everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from rich.table import Table
+
+from jalapeno_emu.cli.app import Abort, App
+
+_POWER_KINDS = ("package", "sustained", "all_in")
+_DEFAULT_CONCURRENCIES = "1,2,4,8,16,32,64,128,256,512,1024"
+
+
+def _workload(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="gpt-oss-120b, gpt-oss-20b, deepseek-r1, kimi-k2.5, tiny-*, or a path to a config.json",
+    )
+    p.add_argument("--isl", type=int, default=8192, help="input length (default 8192)")
+    p.add_argument("--osl", type=int, default=1024, help="output length (default 1024)")
+    p.add_argument(
+        "--routing", default="uniform", help="MoE routing: uniform (default) or zipf:S, e.g. zipf:1.2"
+    )
+    p.add_argument(
+        "--finalists",
+        type=int,
+        default=2,
+        help="mappings simulated per objective after the analytic screen (default 2)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=8192,
+        help="token budget of one DP group's step (default 8192)",
+    )
+    p.add_argument(
+        "--no-cache", action="store_true", help="do not read or write the kernel-timing disk cache"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve``, ``sweep`` and ``compare`` commands."""
+    p = sub.add_parser("serve", help="serve a model on a rack at one ISL/OSL/concurrency point")
+    _workload(p)
+    p.add_argument("--preset", default="jalapeno-v1", help="chip preset (default jalapeno-v1)")
+    p.add_argument("--chips", type=int, help="search only deployments of this many chips")
+    p.add_argument("--mapping", help="e.g. tp=8,ep=8,dp=1,pp=1 (default: the best for --objective)")
+    p.add_argument("--concurrency", type=int, required=True, help="requests in flight")
+    p.add_argument(
+        "--objective",
+        default="interactivity",
+        choices=("interactivity", "throughput"),
+        help="what the mapping search maximises (default interactivity)",
+    )
+    p.add_argument("--requests", type=int, help="measured requests (default max(64, 2 x concurrency))")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
+    p.set_defaults(run=run_serve)
+
+    p = sub.add_parser("sweep", help="every concurrency x the mappings worth simulating: Pareto frontier")
+    _workload(p)
+    p.add_argument("--preset", default="jalapeno-v1", help="chip preset (default jalapeno-v1)")
+    p.add_argument("--chips", type=int, help="only deployments of this many chips")
+    p.add_argument(
+        "--concurrency",
+        default=_DEFAULT_CONCURRENCIES,
+        help=f"comma-separated (default {_DEFAULT_CONCURRENCIES})",
+    )
+    p.add_argument(
+        "--y",
+        default="throughput_tok_s_per_chip",
+        choices=("throughput_tok_s_per_chip", *(f"tok_s_per_kw.{k}" for k in _POWER_KINDS)),
+        help="frontier's y metric (default throughput_tok_s_per_chip)",
+    )
+    p.add_argument("--plot", help="write the plot here (PNG; an SVG is written beside it)")
+    p.add_argument("--csv", help="write every point here")
+    p.set_defaults(run=run_sweep)
+
+    p = sub.add_parser("compare", help="presets side by side at matched concurrencies, with ratios")
+    _workload(p)
+    p.add_argument(
+        "--presets",
+        default="jalapeno-v1,gb300-nvl72",
+        help="comma-separated, the first is the reference of the ratios (default jalapeno-v1,gb300-nvl72)",
+    )
+    p.add_argument("--concurrency", default="1,64,1024", help="comma-separated (default 1,64,1024)")
+    p.add_argument(
+        "--objective",
+        default="interactivity",
+        choices=("interactivity", "throughput"),
+        help="what each preset's mapping search maximises (default interactivity)",
+    )
+    p.add_argument(
+        "--power",
+        default="all_in",
+        choices=_POWER_KINDS,
+        help="power per chip for tok/s per kW (default all_in)",
+    )
+    p.set_defaults(run=run_compare)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise Abort(f"{what} {text!r} must be comma-separated integers") from None
+    if not values or any(v < 1 for v in values):
+        raise Abort(f"{what} {text!r} must be integers >= 1")
+    return values
+
+
+def _cache(args: argparse.Namespace) -> bool:
+    return not args.no_cache
+
+
+def _row(d: dict[str, Any]) -> list[str]:
+    return [
+        str(d["concurrency"]),
+        str(d["mapping"]),
+        str(d["chips"]),
+        f"{d['interactivity_tok_s_user']:,.1f}",
+        f"{d['ttft_s']:.3f}",
+        f"{d['tpot_s'] * 1e3:,.2f}",
+        f"{d['e2e_s']:.2f}",
+        f"{d['throughput_tok_s_per_chip']:,.0f}",
+        f"{d['tok_s_per_kw']['all_in']:,.0f}",
+    ]
+
+
+_COLS = (
+    "concurrency",
+    "mapping",
+    "chips",
+    "tok/s/user",
+    "TTFT s",
+    "TPOT ms",
+    "E2E s",
+    "tok/s/chip",
+    "tok/s/kW all-in",
+)
+
+
+def _table(title: str, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
+    for col in _COLS:
+        table.add_column(col, justify="left" if col == "mapping" else "right")
+    for d in rows:
+        table.add_row(*_row(d))
+    return table
+
+
+def run_serve(app: App, args: argparse.Namespace) -> int:
+    """Predict one serving point."""
+    from jalapeno_emu.rack.deployment import predict
+
+    app.status(
+        f"{args.model} on {args.preset} at {args.isl}/{args.osl}, concurrency {args.concurrency}"
+        + ("" if args.mapping else f" (searching the best mapping for {args.objective})")
+    )
+    pred = predict(
+        args.model,
+        args.preset,
+        args.isl,
+        args.osl,
+        args.concurrency,
+        mapping=args.mapping,
+        objective=args.objective,
+        routing=args.routing,
+        chips=args.chips,
+        finalists=args.finalists,
+        max_batch_tokens=args.max_batch_tokens,
+        requests=args.requests,
+        seed=args.seed,
+        disk_cache=_cache(args),
+    )
+    doc = pred.as_dict()
+    if app.json_output:
+        app.emit_json("serve", doc)
+        return 0
+    app.console.print(
+        _table(
+            f"{pred.model} on {pred.preset}, ISL/OSL {args.isl}/{args.osl} (routing {pred.routing.name})",
+            [doc],
+        )
+    )
+    pk = doc["tok_s_per_kw"]
+    app.console.print(
+        f"medians over {doc['measured_requests']} requests; tok/s per kW: package {pk['package']:,.0f}, "
+        f"sustained {pk['sustained']:,.0f}, all-in {pk['all_in']:,.0f}; KV capacity "
+        f"{doc['kv_capacity_tokens']:,} tokens; mean decode batch {doc['mean_decode_batch']:.1f}"
+    )
+    if pred.finalists:
+        app.console.print(
+            f"searched {pred.screened} mappings (analytic screen); simulated: "
+            + "; ".join(
+                f"{f['mapping']} ({f['interactivity_tok_s_user']:,.1f} tok/s/user, "
+                f"{f['throughput_tok_s_per_chip']:,.0f} tok/s/chip)"
+                for f in doc["finalists"]
+            )
+        )
+    return 0
+
+
+def _plot_paths(path: str) -> tuple[str, str]:
+    root, ext = os.path.splitext(path)
+    return (path if ext.lower() == ".png" else root + ".png"), root + ".svg"
+
+
+def run_sweep(app: App, args: argparse.Namespace) -> int:
+    """Every concurrency with its shortlisted mappings; the Pareto frontier."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jalapeno_emu.rack.deployment import sweep_mappings
+    from jalapeno_emu.serving import pareto_front, plot_pareto, write_points_csv
+
+    concs = _ints(args.concurrency, "--concurrency")
+    progress = Progress(
+        TextColumn(f"{args.model} sweep"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=app.err_console,
+        transient=True,
+        disable=app.json_output,
+    )
+    with progress:
+        task = progress.add_task("points", total=None)
+        points, screened = sweep_mappings(
+            args.model,
+            args.preset,
+            args.isl,
+            args.osl,
+            concs,
+            routing=args.routing,
+            finalists=args.finalists,
+            chips=args.chips,
+            max_batch_tokens=args.max_batch_tokens,
+            disk_cache=_cache(args),
+            on_plan=lambda n: progress.update(task, total=n),
+            on_point=lambda _p: progress.advance(task),
+        )
+    front = pareto_front(points, y=args.y)
+    rows = [dict(p.as_dict()) for p in points]
+    front_rows = [dict(p.as_dict()) for p in front]
+    if args.csv:
+        write_points_csv(points, args.csv)
+    if args.plot:
+        png, svg = _plot_paths(args.plot)
+        plot_pareto(points, png, svg, y=args.y, model_name=args.model, log_x=True)
+    if app.json_output:
+        app.emit_json(
+            "sweep",
+            {
+                "model": args.model,
+                "preset": args.preset,
+                "isl": args.isl,
+                "osl": args.osl,
+                "routing": args.routing,
+                "concurrencies": concs,
+                "candidates_screened": screened,
+                "y": args.y,
+                "points": rows,
+                "frontier": front_rows,
+            },
+        )
+        return 0
+    app.console.print(
+        _table(
+            f"{args.model} on {args.preset}, ISL/OSL {args.isl}/{args.osl}: Pareto frontier "
+            f"(interactivity vs {args.y})",
+            front_rows,
+        )
+    )
+    app.console.print(
+        f"{len(points)} points simulated over {len({p.mapping for p in points})} mappings "
+        f"(of {screened} screened)"
+        + (f"; plot {args.plot}" if args.plot else "")
+        + (f"; CSV {args.csv}" if args.csv else "")
+    )
+    return 0
+
+
+def run_compare(app: App, args: argparse.Namespace) -> int:
+    """Presets side by side at the same concurrencies; a preset that cannot be modelled fails loudly."""
+    from jalapeno_emu.errors import EmuError
+    from jalapeno_emu.rack.deployment import predict
+
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if len(presets) < 2:
+        raise Abort(f"--presets {args.presets!r} needs at least two presets")
+    concs = _ints(args.concurrency, "--concurrency")
+    results: dict[str, list[dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
+    for preset in presets:
+        try:
+            results[preset] = []
+            for c in concs:
+                app.status(f"{args.model} on {preset}, concurrency {c}")
+                results[preset].append(
+                    predict(
+                        args.model,
+                        preset,
+                        args.isl,
+                        args.osl,
+                        c,
+                        objective=args.objective,
+                        routing=args.routing,
+                        finalists=args.finalists,
+                        max_batch_tokens=args.max_batch_tokens,
+                        disk_cache=_cache(args),
+                    ).as_dict()
+                )
+        except EmuError as exc:
+            errors[preset] = str(exc)
+            results.pop(preset, None)
+    ref = presets[0]
+    rows = _compare_rows(results, ref, concs, args.power)
+    if app.json_output:
+        app.emit_json(
+            "compare",
+            {
+                "model": args.model,
+                "isl": args.isl,
+                "osl": args.osl,
+                "objective": args.objective,
+                "power": args.power,
+                "presets": presets,
+                "rows": rows,
+                "errors": errors,
+            },
+        )
+    else:
+        _print_compare(app, args, presets, results, rows)
+        for preset, msg in errors.items():
+            app.err_console.print(f"[bold red]error:[/bold red] {preset}: {msg}", markup=True, soft_wrap=True)
+    return 2 if errors else 0
+
+
+def _compare_rows(
+    results: dict[str, list[dict[str, Any]]], ref: str, concs: list[int], power: str
+) -> list[dict[str, Any]]:
+    rows = []
+    for i, c in enumerate(concs):
+        row: dict[str, Any] = {"concurrency": c}
+        for preset, points in results.items():
+            d = points[i]
+            row[preset] = {
+                "mapping": d["mapping"],
+                "chips": d["chips"],
+                "interactivity_tok_s_user": d["interactivity_tok_s_user"],
+                "e2e_s": d["e2e_s"],
+                "throughput_tok_s_per_chip": d["throughput_tok_s_per_chip"],
+                "tok_s_per_kw": d["tok_s_per_kw"][power],
+            }
+        if ref in results:
+            r = row[ref]
+            row["ratios"] = {
+                p: {
+                    "interactivity": r["interactivity_tok_s_user"] / row[p]["interactivity_tok_s_user"],
+                    "e2e": row[p]["e2e_s"] / r["e2e_s"],
+                    "tok_s_per_kw": r["tok_s_per_kw"] / row[p]["tok_s_per_kw"],
+                }
+                for p in results
+                if p != ref
+            }
+        rows.append(row)
+    return rows
+
+
+def _print_compare(
+    app: App,
+    args: argparse.Namespace,
+    presets: list[str],
+    results: dict[str, list[dict[str, Any]]],
+    rows: list[dict[str, Any]],
+) -> None:
+    ok = [p for p in presets if p in results]
+    table = Table(
+        title=f"{args.model}, ISL/OSL {args.isl}/{args.osl}, best mapping per preset for {args.objective}; "
+        f"tok/s per kW at {args.power} power"
+    )
+    table.add_column("concurrency", justify="right")
+    for p in ok:
+        for col in ("mapping", "tok/s/user", "E2E s", "tok/s/kW"):
+            table.add_column(f"{p}\n{col}", justify="left" if col == "mapping" else "right")
+    ref = presets[0]
+    others = [p for p in ok if p != ref] if ref in results else []
+    for p in others:
+        table.add_column(f"{ref} / {p}\ntok/s/user, E2E, tok/s/kW", justify="right")
+    for row in rows:
+        cells = [str(row["concurrency"])]
+        for p in ok:
+            d = row[p]
+            cells += [
+                d["mapping"],
+                f"{d['interactivity_tok_s_user']:,.1f}",
+                f"{d['e2e_s']:.2f}",
+                f"{d['tok_s_per_kw']:,.0f}",
+            ]
+        for p in others:
+            r = row["ratios"][p]
+            cells.append(f"{r['interactivity']:.2f}x, {r['e2e']:.2f}x, {r['tok_s_per_kw']:.2f}x")
+        table.add_row(*cells)
+    app.console.print(table)

@@ -1,0 +1,296 @@
+"""Serving predictions of a model on a rack: one point, a sweep, and the demo's quick estimate.
+
+Stage: rack, the entry points the CLI (``serve``, ``sweep``, ``compare``) and other tools (the
+InferenceX calibration) call. A point is the serving simulator (:func:`jalapeno_emu.serving.simulate`)
+driven by a :class:`~jalapeno_emu.rack.step_model.RackStepModel`; without a mapping, the best one
+for the objective is searched (:func:`jalapeno_emu.rack.search.best_mapping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.rack.mapping import Mapping, parse_mapping
+from jalapeno_emu.rack.routing import UNIFORM, Routing, parse_routing
+from jalapeno_emu.rack.search import (
+    OBJECTIVES,
+    best_mapping,
+    candidate_mappings,
+    screen,
+    shortlist,
+    step_model,
+)
+from jalapeno_emu.rack.step_model import DEFAULT_BATCH_TOKENS, RackStepModel
+from jalapeno_emu.serving.metrics import ServingMetrics
+from jalapeno_emu.serving.simulate import simulate
+from jalapeno_emu.serving.sweep import SweepPoint
+
+__all__ = ["Prediction", "predict", "rack_estimate", "sweep_mappings"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One predicted serving point.
+
+    Attributes:
+        model, preset: what was served, on what.
+        isl, osl, concurrency: the workload.
+        objective: what the mapping was chosen for (None when it was given).
+        routing: the MoE routing distribution.
+        mapping: the mapping served with.
+        metrics: the simulated InferenceX metrics.
+        step_model: the step model (its grid holds the timed points).
+        finalists: (mapping, metrics) of every simulated candidate when searched, best first.
+        screened: candidates ranked by the analytic screen (0 when the mapping was given).
+    """
+
+    model: str
+    preset: str
+    isl: int
+    osl: int
+    concurrency: int
+    objective: str | None
+    routing: Routing
+    mapping: Mapping
+    metrics: ServingMetrics
+    step_model: RackStepModel
+    finalists: tuple[tuple[Mapping, ServingMetrics], ...] = ()
+    screened: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat JSON fields: the serving metrics (``interactivity_tok_s_user``, ``ttft_s``,
+        ``tpot_s``, ``e2e_s`` medians, ``throughput_tok_s_per_chip``, ``tok_s_per_kw`` {package,
+        sustained, all_in}, ``mapping``, ``chips``, ...) plus model, preset, objective, routing,
+        ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens`` and the finalists."""
+        out = self.metrics.as_dict()
+        out.update(
+            model=self.model,
+            preset=self.preset,
+            objective=self.objective,
+            routing=self.routing.name,
+            mapping=self.mapping.name,
+            mapping_detail=self.mapping.as_dict(),
+            chips=self.mapping.chips,
+            kv_capacity_tokens=self.step_model.kv_capacity_tokens,
+            max_batch_tokens=self.step_model.max_batch_tokens,
+            screened=self.screened,
+            finalists=[
+                {
+                    "mapping": m.name,
+                    "chips": m.chips,
+                    "interactivity_tok_s_user": x.as_dict()["interactivity_tok_s_user"],
+                    "throughput_tok_s_per_chip": x.as_dict()["throughput_tok_s_per_chip"],
+                }
+                for m, x in self.finalists
+            ],
+        )
+        return out
+
+
+def _objects(
+    cfg: ModelConfig | str, preset: ChipSpec | str, routing: Routing | str
+) -> tuple[ModelConfig, ChipSpec, Routing]:
+    return (
+        load_model_config(cfg) if isinstance(cfg, str) else cfg,
+        load_preset(preset) if isinstance(preset, str) else preset,
+        parse_routing(routing) if isinstance(routing, str) else routing,
+    )
+
+
+def _check_workload(isl: int, osl: int, concurrencies: Sequence[int]) -> None:
+    for key, v in (("isl", isl), ("osl", osl), *(("concurrency", c) for c in concurrencies)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InvalidArgumentError(f"{key}={v!r} must be an integer >= 1")
+    if not concurrencies:
+        raise InvalidArgumentError("at least one concurrency is needed")
+
+
+def predict(
+    cfg: ModelConfig | str,
+    preset: ChipSpec | str,
+    isl: int,
+    osl: int,
+    concurrency: int,
+    mapping: Mapping | str | None = None,
+    objective: str = "interactivity",
+    *,
+    routing: Routing | str = UNIFORM,
+    chips: int | None = None,
+    finalists: int = 2,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    requests: int | None = None,
+    seed: int = 0,
+    disk_cache: bool = False,
+) -> Prediction:
+    """Serve ``cfg`` on chips of ``preset`` at one ISL/OSL/concurrency point.
+
+    Args:
+        cfg: a ModelConfig or a model name.
+        preset: a ChipSpec or a preset name.
+        isl, osl: nominal input and output lengths (drawn from [0.8 L, L] as InferenceX does).
+        concurrency: requests in flight.
+        mapping: the mapping to serve with (a Mapping or ``"tp=8,ep=8"``); None searches the best
+            one for ``objective`` (analytic screen, then ``finalists`` simulated).
+        objective: ``interactivity`` or ``throughput`` (per chip).
+        routing: MoE routing distribution (``uniform``, ``zipf:1.2``).
+        chips: search only deployments of this many chips.
+        max_batch_tokens: per DP group token budget of one step.
+        requests, seed: the simulator's measured requests and length seed.
+        disk_cache: keep kernel timings on disk across processes.
+
+    Raises:
+        InvalidArgumentError: bad arguments or a mapping the model/domain cannot take;
+        FitError: the model does not fit (with the numbers).
+    """
+    cfg, spec, routing = _objects(cfg, preset, routing)
+    _check_workload(isl, osl, [concurrency])
+    if objective not in OBJECTIVES:
+        raise InvalidArgumentError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if mapping is None:
+        choice = best_mapping(
+            cfg,
+            spec,
+            isl=isl,
+            osl=osl,
+            concurrency=concurrency,
+            objective=objective,
+            routing=routing,
+            chips=chips,
+            finalists=finalists,
+            max_batch_tokens=max_batch_tokens,
+            disk_cache=disk_cache,
+            requests=requests,
+            seed=seed,
+        )
+        return Prediction(
+            cfg.name,
+            spec.name,
+            isl,
+            osl,
+            concurrency,
+            objective,
+            routing,
+            choice.mapping,
+            choice.metrics,
+            choice.model,
+            choice.finalists,
+            choice.screened,
+        )
+    mapping = parse_mapping(mapping) if isinstance(mapping, str) else mapping
+    if chips is not None and chips != mapping.chips:
+        raise InvalidArgumentError(
+            f"--chips {chips} disagrees with mapping {mapping.name} ({mapping.chips} chips)"
+        )
+    model = step_model(
+        cfg,
+        spec,
+        mapping,
+        routing=routing,
+        max_batch_tokens=max_batch_tokens,
+        sequence_tokens=isl + osl,
+        disk_cache=disk_cache,
+    )
+    metrics = simulate(
+        model, isl=isl, osl=osl, concurrency=concurrency, requests=requests, seed=seed, power_w=model.power_w
+    )
+    return Prediction(cfg.name, spec.name, isl, osl, concurrency, None, routing, mapping, metrics, model)
+
+
+def sweep_mappings(
+    cfg: ModelConfig | str,
+    preset: ChipSpec | str,
+    isl: int,
+    osl: int,
+    concurrencies: Sequence[int],
+    *,
+    routing: Routing | str = UNIFORM,
+    finalists: int = 2,
+    chips: int | None = None,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    disk_cache: bool = False,
+    on_plan: Callable[[int], None] | None = None,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> tuple[list[SweepPoint], int]:
+    """Every concurrency, with the mappings worth simulating there.
+
+    All candidate mappings are screened at every concurrency; for each concurrency the
+    ``finalists`` best by interactivity and the ``finalists`` best by throughput per chip are
+    simulated (the union). Points are grouped by mapping so each step model's grid is filled once.
+
+    Args:
+        on_plan: called once with the number of points to simulate (for a progress bar).
+        on_point: called after each simulated point.
+
+    Returns:
+        (points, candidates screened); each point's ``series`` is the preset.
+    """
+    cfg, spec, routing = _objects(cfg, preset, routing)
+    _check_workload(isl, osl, concurrencies)
+    cands = candidate_mappings(cfg, spec, chips=chips, kv_tokens=isl + osl, sequence_tokens=isl + osl)
+    scored = screen(cfg, spec, cands, isl=isl, osl=osl, concurrencies=list(concurrencies), routing=routing)
+    tasks: dict[Mapping, list[int]] = {}
+    for c in concurrencies:
+        here = [p for p in scored if p.concurrency == c]
+        for objective in OBJECTIVES:
+            for p in shortlist(here, objective, finalists):
+                if c not in tasks.setdefault(p.mapping, []):
+                    tasks[p.mapping].append(c)
+    if on_plan is not None:
+        on_plan(sum(len(v) for v in tasks.values()))
+    points = []
+    for mapping, concs in tasks.items():
+        model = step_model(
+            cfg,
+            spec,
+            mapping,
+            routing=routing,
+            max_batch_tokens=max_batch_tokens,
+            sequence_tokens=isl + osl,
+            disk_cache=disk_cache,
+        )
+        for c in sorted(concs):
+            metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w)
+            point = SweepPoint(mapping.name, spec.name, c, metrics)
+            points.append(point)
+            if on_point is not None:
+                on_point(point)
+    points.sort(key=lambda p: (p.concurrency, p.mapping))
+    return points, len(cands)
+
+
+def rack_estimate(
+    model: ModelConfig | str,
+    preset: ChipSpec | str,
+    isl: int,
+    osl: int,
+    concurrencies: Sequence[int],
+    *,
+    objective: str = "interactivity",
+    routing: Routing | str = UNIFORM,
+    disk_cache: bool = True,
+) -> list[dict[str, Any]]:
+    """The serve metrics of ``model`` on ``preset`` at each concurrency, quickly: the mapping is
+    the analytic screen's best for ``objective`` (one finalist, simulated), and kernel timings are
+    kept on disk across runs by default. Each entry is :meth:`Prediction.as_dict` (the ``serve
+    --json`` fields).
+    """
+    _check_workload(isl, osl, list(concurrencies))
+    return [
+        predict(
+            model,
+            preset,
+            isl,
+            osl,
+            c,
+            objective=objective,
+            routing=routing,
+            finalists=1,
+            disk_cache=disk_cache,
+        ).as_dict()
+        for c in concurrencies
+    ]

@@ -1,0 +1,598 @@
+"""The serving step-time model of one mapping: per-chip kernel times from the timing pass, plus
+collectives, for the busiest chip; interpolated on a small grid timed once.
+
+Stage: rack, implementing :class:`jalapeno_emu.serving.StepTimeModel` for the serving simulator.
+
+**A step.** The simulator hands a :class:`~jalapeno_emu.serving.StepWork`: ``n`` decoding
+sequences (their contexts) and prefill chunks ``(new, cached)``. The deployment runs it as:
+
+- decode sequences spread evenly over the ``dp`` groups (the busiest holds ``ceil(n / dp)``);
+  prefill chunks go whole to the least-loaded group, largest first; the step's time is the
+  busiest group's (every MoE layer's all-to-all synchronises the groups);
+- with ``pp`` stages the group's work is cut into ``f`` micro-batches, ``f = pp`` when the step
+  prefills (a chunk splits along its tokens) and ``f = min(pp, sequences)`` when it only decodes
+  (a sequence cannot be split); each carries ``1/f`` of the decode sequences (rounded up),
+  prefill tokens and attention work, and stage s processes one in ``t_s``. A stage is busy
+  ``f * t_s`` per step and one micro-batch needs ``sum_s t_s`` plus ``pp - 1`` stage-to-stage
+  transfers to get through, so a step (every sequence advancing one token) takes
+  ``max(sum_s t_s + (pp-1) * p2p, f * max_s t_s)``: with the pipeline full (f = pp) the slowest
+  stage sets the throughput, with fewer micro-batches the pipeline bubbles;
+- a stage's time for a micro-batch is, over its layers, the chip's kernel times plus the layer's
+  collectives (nothing overlaps), plus the embedding (first stage) and final norm, logits and the
+  sampling all-gather (last stage).
+
+**A layer on the busiest chip** (launches from :mod:`jalapeno_emu.rack.slices`), for ``b`` decode
+sequences with mean context ``c`` and prefill chunks, ``t = b + prefill tokens`` on the chip:
+
+- *token part* ``T(t)``: norms, projections, dense FFN, shared experts, and the tp collectives,
+  run ONCE over the ``t`` tokens of the mixed batch -- the weights of a mixed step are read once
+  (that is how decode and prefill share weight reads);
+- *routed experts* ``M(x)``: the MoE kernel on the ``x`` tokens the busiest expert group receives
+  out of the stage's tokens, with its expected distinct experts; plus the dispatch and combine
+  all-to-alls ``A(stage tokens)``;
+- *decode attention* ``D(b, c)``: KV append plus decode attention of b sequences of context c
+  (the batch's mean context: the kernels' cost is linear in the tokens read);
+- *prefill attention* ``P(n, p)`` summed over the chunks: one chunk of n new tokens after p cached.
+
+**The grid, timed once, interpolated.** Each part is timed with the emulator's timing pass
+(:class:`~jalapeno_emu.rack.launch_timer.LaunchTimer`, shared by every mapping of a process) at
+grid points, each the first time a step needs it, and never again:
+
+- ``T``, ``A``, embedding, tail: tokens in powers of two, piecewise linear in tokens;
+- ``M``: received tokens in powers of two up to 256, then x4 steps; up to 128 tokens (one
+  matrix-unit tile) the kernel serves expert *slots* and the time is piecewise linear in the
+  expected distinct experts, which its weight reads follow; above, its token-gathering program
+  runs, piecewise linear in tokens (between 128 and 256 it is priced at 256: the gathering
+  program's fixed cost is a step up from the slot program's); a batch the kernel refuses (a GPU
+  preset's small scratchpad) runs as equal pieces, each hitting its own distinct experts;
+- ``D``: batch in powers of two up to ``b_unit`` (the batch that gives every core two KV heads of
+  a sequence: ``2 * cores / kv heads per chip``; MLA ``2 * cores``), times contexts 32, 64, ...
+  2048, then multiples of 2048 to 16384, then powers of two; bilinear. Beyond ``b_unit`` linear in the batch
+  with the last segment's slope, floored by what one more sequence costs in HBM bytes at the
+  achievable bandwidth and in FLOPs at the BF16 peak (both from the timing pass's figures), so a
+  last segment still below the die's knee does not make more sequences look free;
+- ``P``: chunk length in powers of two from 32 up to ``n_unit`` (every core has a 128-query tile
+  of a head: ``128 * cores / heads per chip``), times priors 0, 512, 1024, 2048, ...; bilinear. A
+  longer chunk runs as ``k = ceil(n / n_unit)`` equal sub-chunks, sub-chunk j after ``p + j n/k``
+  cached tokens (exactly causal chunked prefill). Chunks shorter than 32 tokens are priced as 32
+  (the kernels' granule).
+
+Kernel times include the spec's kernel launch cost; the interpolation error against direct
+timing-pass runs at off-grid points is measured in ``tests/rack/test_step_model.py``.
+
+**Capacity.** ``kv_capacity_tokens`` is what HBM left after the weights holds, per DP group, times
+dp (:func:`jalapeno_emu.rack.mapping.chip_memory`); ``max_batch_tokens`` is the per-group step
+budget (default 8192) times dp.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.rack.launch_timer import LaunchTimer, shared_timer
+from jalapeno_emu.rack.mapping import (
+    ChipMemory,
+    FitError,
+    Mapping,
+    check_mapping,
+    fits,
+    parse_mapping,
+    stage_layers,
+)
+from jalapeno_emu.rack.routing import UNIFORM, ExpertLoad, Routing, parse_routing
+from jalapeno_emu.rack.slices import (
+    ACT_BYTES,
+    chip_config,
+    chip_head_launches,
+    chip_tail_launches,
+    decode_attention_launches,
+    layer_kind,
+    moe_all_to_alls,
+    prefill_attention_launches,
+    routed_moe_launch,
+    tail_collectives,
+    token_launches,
+    tp_collectives,
+)
+from jalapeno_emu.serving.metrics import power_w_from_spec
+from jalapeno_emu.serving.step_model import StepWork
+
+__all__ = ["CONTEXT_GRID", "DEFAULT_BATCH_TOKENS", "PRIOR_GRID", "RackStepModel"]
+
+DEFAULT_BATCH_TOKENS = 8192
+"""Token budget of one DP group's step (decode tokens + prefill tokens)."""
+
+_POW2 = np.array([2.0**i for i in range(24)])
+CONTEXT_GRID = np.unique(
+    np.concatenate([2.0 ** np.arange(5, 12), 2048.0 * np.arange(1, 9), 2.0 ** np.arange(15, 24)])
+)
+"""Decode contexts the attention part is timed at (as needed)."""
+PRIOR_GRID = np.concatenate([[0.0], 2.0 ** np.arange(9, 24)])
+"""Cached tokens before a prefill chunk that its attention is timed at (as needed)."""
+MOE_GRID = np.array([2.0**i for i in range(9)] + [256.0 * 4**i for i in range(1, 8)])
+"""Tokens received the routed-expert kernel is timed at (as needed): powers of two up to 256, then
+x4 steps (the token-gathering program above 128 tokens is close to linear in tokens)."""
+
+
+def _pow2_ceil(x: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(x) - 1e-12)) if x > 1 else 1
+
+
+def _bracket(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower grid index and weight of the upper point for each x (clamped to the grid)."""
+    x = np.clip(x, grid[0], grid[-1])
+    i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, grid.size - 2)
+    w = (x - grid[i]) / (grid[i + 1] - grid[i])
+    return i, w
+
+
+class _Lazy1D:
+    """f on grid points, computed when first needed; piecewise linear between them."""
+
+    def __init__(self, grid: np.ndarray, f: Callable[[int], float]) -> None:
+        self.grid, self.f = grid, f
+        self.values: dict[int, float] = {}
+
+    def point(self, i: int) -> float:
+        v = self.values.get(i)
+        if v is None:
+            v = self.values[i] = float(self.f(int(self.grid[i])))
+        return v
+
+    def __call__(self, x: float) -> float:
+        i, w = _bracket(self.grid, np.array([float(x)]))
+        i0, w0 = int(i[0]), float(w[0])
+        lo = self.point(i0)
+        if w0 == 0.0:
+            return lo
+        return lo + w0 * (self.point(i0 + 1) - lo)
+
+
+class _Lazy2D:
+    """Launch figures (time, HBM bytes, FLOPs) on a grid of (x, y) points, computed when first
+    needed; bilinear between them. Beyond the last x, linear in x with the slope of the last
+    segment, but never below what each extra unit of x costs in HBM bytes at the achievable
+    bandwidth or in FLOPs at the peak rate (the last segment may still sit below the die's knee)."""
+
+    def __init__(
+        self,
+        xs: np.ndarray,
+        ys: np.ndarray,
+        f: Callable[[int, int], np.ndarray],
+        bytes_per_s: float,
+        flops_per_s: float,
+    ) -> None:
+        self.xs, self.ys, self.f = xs, ys, f
+        self.bytes_per_s, self.flops_per_s = bytes_per_s, flops_per_s
+        self.values: dict[tuple[int, int], np.ndarray] = {}
+
+    def _point(self, i: int, j: int) -> np.ndarray:
+        v = self.values.get((i, j))
+        if v is None:
+            v = self.values[(i, j)] = np.asarray(self.f(int(self.xs[i]), int(self.ys[j])), dtype=np.float64)
+        return v
+
+    def _column(self, i: int, ys: np.ndarray) -> np.ndarray:
+        """float64[3, n]: the figures at x = xs[i], interpolated over ys."""
+        j, w = _bracket(self.ys, ys)
+        lo = np.stack([self._point(i, int(a)) for a in j], axis=1)
+        hi = np.stack(
+            [self._point(i, int(a) + 1) if b > 0 else np.zeros(3) for a, b in zip(j, w, strict=True)], axis=1
+        )
+        return lo + w * (hi - lo)
+
+    def __call__(self, x: float, ys: np.ndarray) -> np.ndarray:
+        top = self.xs.size - 1
+        if x > self.xs[top]:
+            hi, lo = self._column(top, ys), self._column(top - 1, ys)
+            dx = self.xs[top] - self.xs[top - 1]
+            slope = np.maximum.reduce(
+                [
+                    (hi[0] - lo[0]) / dx,
+                    (hi[1] - lo[1]) / dx / self.bytes_per_s,
+                    (hi[2] - lo[2]) / dx / self.flops_per_s,
+                ]
+            )
+            return hi[0] + (x - self.xs[top]) * slope
+        i, w = _bracket(self.xs, np.array([float(x)]))
+        i0, w0 = int(i[0]), float(w[0])
+        lo = self._column(i0, ys)[0]
+        if w0 == 0.0:
+            return lo
+        return lo + w0 * (self._column(i0 + 1, ys)[0] - lo)
+
+
+class RackStepModel:
+    """Step times of ``cfg`` on ``mapping`` over chips of ``spec`` (see the module docstring).
+
+    Args:
+        cfg: the model (a ModelConfig or a name for :func:`~jalapeno_emu.model.load_model_config`).
+        spec: the chip (a ChipSpec or a preset name).
+        mapping: a :class:`~jalapeno_emu.rack.mapping.Mapping` or its text (``"tp=8,ep=8"``).
+        routing: the MoE routing distribution (:class:`~jalapeno_emu.rack.routing.Routing` or
+            ``"uniform"`` / ``"zipf:1.2"``).
+        max_batch_tokens: token budget of one DP group's step.
+        sequence_tokens: a typical request's isl + osl, for the KV capacity of sliding-window
+            layers (see :func:`~jalapeno_emu.rack.mapping.chip_memory`); None: full rate.
+        timer: the LaunchTimer to use (default: the process-wide one of ``spec``).
+        disk_cache: with the default timer, keep kernel figures on disk across processes.
+        name: the name shown in sweeps (default: the mapping's text).
+
+    Attributes (the serving protocol): ``name``, ``chips``, ``kv_capacity_tokens``,
+    ``max_batch_tokens``, ``series`` (the preset), ``power_w`` (package, sustained, all-in watts
+    per chip); also ``cfg``, ``spec``, ``mapping``, ``routing``, ``memory`` (:class:`ChipMemory`).
+
+    Raises:
+        InvalidArgumentError: a mapping the model or the domain cannot take.
+        FitError: the weights (and at least one token of KV cache) do not fit a chip's HBM.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig | str,
+        spec: ChipSpec | str,
+        mapping: Mapping | str,
+        *,
+        routing: Routing | str = UNIFORM,
+        max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        sequence_tokens: int | None = None,
+        timer: LaunchTimer | None = None,
+        disk_cache: bool = False,
+        name: str | None = None,
+    ) -> None:
+        self.cfg = load_model_config(cfg) if isinstance(cfg, str) else cfg
+        self.spec = load_preset(spec) if isinstance(spec, str) else spec
+        self.mapping = parse_mapping(mapping) if isinstance(mapping, str) else mapping
+        self.routing = parse_routing(routing) if isinstance(routing, str) else routing
+        if (
+            isinstance(max_batch_tokens, bool)
+            or not isinstance(max_batch_tokens, int)
+            or max_batch_tokens < 1
+        ):
+            raise InvalidArgumentError(f"max_batch_tokens={max_batch_tokens!r} must be an integer >= 1")
+        check_mapping(self.cfg, self.mapping, self.spec)
+        self.memory: ChipMemory = fits(self.cfg, self.spec, self.mapping, 0, sequence_tokens=sequence_tokens)
+        if self.memory.kv_capacity_tokens < 1:
+            raise FitError(
+                f"{self.cfg.name} on {self.spec.name} with {self.mapping.name}: the weights leave no "
+                "HBM for the KV cache",
+                hint="use more chips",
+            )
+        self.name = name or self.mapping.name
+        self.series = self.spec.name
+        self.chips = self.mapping.chips
+        self.kv_capacity_tokens = self.memory.kv_capacity_tokens
+        self.group_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens * self.mapping.dp
+        self.power_w = power_w_from_spec(self.spec)
+        self.timer = timer or shared_timer(self.spec, disk_cache=disk_cache)
+        self.load = (
+            ExpertLoad(self.cfg.experts, self.cfg.top_k, self.mapping.ep, self.routing)
+            if self.cfg.experts
+            else None
+        )
+        self._chip = chip_config(self.cfg, self.mapping)
+        self._stages = [
+            Counter(layer_kind(self.cfg, i) for i in layers)
+            for layers in stage_layers(self.cfg, self.mapping.pp)
+        ]
+        self._rep: dict[tuple[int, bool], int] = {}
+        for i in range(self.cfg.layers):
+            self._rep.setdefault(layer_kind(self.cfg, i), i)
+        self._build_tables()
+        self._probe()
+
+    def _probe(self) -> None:
+        """Time the smallest routed-expert and prefill-attention launches now, so a preset whose
+        kernels refuse this model's shapes fails here, with the kernel's reason, not mid-sweep."""
+        if self.load is not None:
+            self._moe_point(1)
+        for table in self._pre.values():
+            table(32.0, np.zeros(1))
+
+    # --- tables -------------------------------------------------------------------------------
+    def _build_tables(self) -> None:
+        cores = self.spec.core.count
+        kv_units = 1 if self.cfg.attention == "mla" else self._chip.kv_heads
+        self.b_unit = max(2, _pow2_ceil(2.0 * cores / kv_units))
+        self.n_unit = min(8192, _pow2_ceil(max(128.0, 128.0 * cores / self._chip.q_heads)))
+        b_grid = _POW2[self.b_unit >= _POW2]
+        n_grid = _POW2[(_POW2 >= 32) & (max(32, self.n_unit) >= _POW2)]
+        d = self.spec.derived()
+        rates = (d["hbm_achievable_bytes_per_s"], d["peak_bf16_flops_per_s"])
+        self._tok: dict[tuple[int, bool], _Lazy1D] = {}
+        self._dec: dict[tuple[int, bool], _Lazy2D] = {}
+        self._pre: dict[tuple[int, bool], _Lazy2D] = {}
+        for kind, layer in self._rep.items():
+            self._tok[kind] = _Lazy1D(_POW2, lambda t, layer=layer: self._token_s(layer, t))
+            self._dec[kind] = _Lazy2D(
+                b_grid,
+                CONTEXT_GRID,
+                lambda b, c, layer=layer: self._figures(
+                    decode_attention_launches(self.cfg, self.mapping, layer, b, c)
+                ),
+                *rates,
+            )
+            self._pre[kind] = _Lazy2D(
+                n_grid,
+                PRIOR_GRID,
+                lambda n, p, layer=layer: self._figures(
+                    prefill_attention_launches(self.cfg, self.mapping, layer, n, p)
+                ),
+                *rates,
+            )
+        self._head = _Lazy1D(_POW2, lambda t: self._launches_s(chip_head_launches(self.cfg, t)))
+        self._tail = _Lazy1D(
+            _POW2,
+            lambda r: (
+                self._launches_s(chip_tail_launches(self.cfg, self.mapping, r))
+                + sum(c.time_s for c in tail_collectives(self.spec, self.mapping, r).values())
+            ),
+        )
+        if self.load is not None:
+            self._a2a = _Lazy1D(
+                _POW2,
+                lambda t: sum(
+                    c.time_s
+                    for c in moe_all_to_alls(self.cfg, self.spec, self.mapping, self.load, t).values()
+                ),
+            )
+            self._moe_pieces: dict[int, tuple[float, bool]] = {}
+            self._moe_refused: int | None = None
+
+    def _figures(self, launches: Sequence[Any]) -> np.ndarray:
+        """float64[3]: summed time (s), HBM bytes and FLOPs of launches run back to back."""
+        out = np.zeros(3)
+        for la in launches:
+            t = self.timer.time(la)
+            out += (t.time_s, t.hbm_bytes, t.flops)
+        return out
+
+    def _launches_s(self, launches: Sequence[Any]) -> float:
+        return sum(self.timer.time_s(la) for la in launches)
+
+    def _token_s(self, layer: int, tokens: int) -> float:
+        comm = tp_collectives(self.cfg, self.spec, self.mapping, layer, tokens)
+        return self._launches_s(token_launches(self.cfg, self.mapping, layer, tokens)) + sum(
+            c.time_s for c in comm.values()
+        )
+
+    # --- routed experts -------------------------------------------------------------------------
+    def _moe_launch(self, received: float) -> Any:
+        assert self.load is not None
+        stage_tokens = received / self.load.hit[self.load.busiest]
+        return routed_moe_launch(
+            self.cfg,
+            self.mapping,
+            received,
+            float(self.load.distinct(stage_tokens)),
+            self.load.picks_per_token(),
+        )
+
+    def _moe_point(self, tokens: int) -> tuple[float, bool] | None:
+        """(seconds, slot-based?) of the MoE kernel on ``tokens`` received tokens; None when the
+        kernel refuses that batch (then it runs in pieces)."""
+        v = self._moe_pieces.get(tokens)
+        if v is not None:
+            return v
+        if self._moe_refused is not None and tokens >= self._moe_refused:
+            return None
+        launch = self._moe_launch(tokens)
+        try:
+            t = self.timer.time(launch, split=False).time_s
+        except InvalidArgumentError as exc:
+            if tokens == 1:
+                raise InvalidArgumentError(
+                    f"kernel moe cannot run on {self.spec.name}: {exc.message}", hint=exc.hint
+                ) from None
+            self._moe_refused = tokens
+            return None
+        v = self._moe_pieces[tokens] = (t, launch.shape_dict["distinct_experts"] > 0)
+        return v
+
+    def _distinct(self, received: np.ndarray) -> np.ndarray:
+        assert self.load is not None
+        return self.load.distinct(received / self.load.hit[self.load.busiest])
+
+    def moe_compute_s(self, received: float) -> float:
+        """Seconds of the routed-expert kernel(s) on the busiest chip for ``received`` tokens:
+        piecewise linear between :data:`MOE_GRID` points, in expected distinct experts where the
+        kernel serves expert slots (its weight reads follow them), else in tokens; a batch the
+        kernel refuses runs as equal pieces, each hitting its own distinct experts."""
+        if received <= 0:
+            return 0.0
+        pieces = 1
+        while True:
+            x = max(1.0, received / pieces)
+            i, w = _bracket(MOE_GRID, np.array([x]))
+            lo, hi = int(MOE_GRID[i[0]]), int(MOE_GRID[i[0] + 1])
+            top = hi if w[0] > 0 else lo
+            p_top = self._moe_point(top)
+            if p_top is None:
+                below = MOE_GRID[top > MOE_GRID]
+                pieces = math.ceil(received / below[-1])
+                continue
+            if top == lo:
+                return pieces * p_top[0]
+            p_lo = self._moe_point(lo)
+            assert p_lo is not None
+            weight = float(w[0])
+            if p_lo[1] and not p_top[1]:
+                weight = 1.0  # slots below, the gathering program above: x runs the latter
+            elif p_lo[1] and p_top[1]:
+                dd = self._distinct(np.array([lo, x, hi], dtype=np.float64))
+                if dd[2] > dd[0]:
+                    weight = float((dd[1] - dd[0]) / (dd[2] - dd[0]))
+            return pieces * (p_lo[0] + weight * (p_top[0] - p_lo[0]))
+
+    # --- one step ---------------------------------------------------------------------------------
+    def _busiest_bin(self, chunks: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The chunks of the most loaded DP group (largest chunk first onto the least loaded)."""
+        dp = self.mapping.dp
+        if dp == 1 or len(chunks) <= 1:
+            return list(chunks)
+        bins: list[list[tuple[int, int]]] = [[] for _ in range(dp)]
+        load = [0] * dp
+        for chunk in sorted(chunks, key=lambda c: -c[0]):
+            g = load.index(min(load))
+            bins[g].append(chunk)
+            load[g] += chunk[0]
+        return bins[load.index(max(load))]
+
+    def _prefill_attention_s(self, kind: tuple[int, bool], chunks: Sequence[tuple[int, int]]) -> float:
+        total = 0.0
+        for new, cached in chunks:
+            k = math.ceil(new / self.n_unit)
+            x = max(32.0, new / k)
+            priors = cached + (new / k) * np.arange(k, dtype=np.float64)
+            total += float(self._pre[kind](x, priors).sum())
+        return total
+
+    def _decode_attention_s(self, kind: tuple[int, bool], batch: int, contexts: np.ndarray) -> np.ndarray:
+        return self._dec[kind](float(batch), contexts)
+
+    def _step_times(
+        self,
+        decode_count: int,
+        context_sums: np.ndarray,
+        chunks: Sequence[tuple[int, int]],
+        exact: bool = False,
+    ) -> np.ndarray:
+        """float64[len(context_sums)]: step times for ``decode_count`` sequences whose contexts sum
+        to each entry, plus the prefill ``chunks`` (shared by step_time_s and the stretch hook);
+        ``exact`` prices every part by a direct launch instead of the grid."""
+        m = self.mapping
+        pp = m.pp
+        b_group = math.ceil(decode_count / m.dp)
+        mine = self._busiest_bin(chunks)
+        flight = pp if mine else max(1, min(pp, b_group))  # micro-batches in flight
+        b = math.ceil(b_group / flight)
+        p_tokens = sum(new for new, _ in mine) / flight
+        t = b + p_tokens
+        stage_tokens = (decode_count + sum(new for new, _ in chunks)) / flight
+        mean_context = context_sums / decode_count if decode_count else None
+        layer_s: dict[tuple[int, bool], np.ndarray] = {}
+        for kind in self._rep:
+            base = self._exact_token_s(kind, t) if exact else self._tok[kind](t)
+            if kind[1]:
+                assert self.load is not None
+                received = float(self.load.received(stage_tokens))
+                base += (
+                    self._exact_moe_s(received, stage_tokens)
+                    if exact
+                    else self.moe_compute_s(received) + self._a2a(stage_tokens)
+                )
+            if mine:
+                pre = self._exact_prefill_s(kind, mine) if exact else self._prefill_attention_s(kind, mine)
+                base += pre / flight
+            if mean_context is None:
+                att = np.zeros_like(context_sums, dtype=np.float64)
+            elif exact:
+                att = np.array([self._exact_decode_s(kind, b, float(c)) for c in mean_context])
+            else:
+                att = self._decode_attention_s(kind, b, mean_context)
+            layer_s[kind] = base + att
+        stages = []
+        rows = b + len(mine) / flight
+        for s, counts in enumerate(self._stages):
+            total = sum(n * layer_s[kind] for kind, n in counts.items())
+            if s == 0:
+                total = total + (self._exact_head_s(t) if exact else self._head(t))
+            if s == pp - 1:
+                total = total + (self._exact_tail_s(rows) if exact else self._tail(rows))
+            stages.append(total)
+        if pp == 1:
+            return stages[0]
+        p2p = self.spec.link.message_s(t * self.cfg.hidden * ACT_BYTES)
+        return np.maximum(sum(stages) + (pp - 1) * p2p, flight * np.maximum.reduce(stages))
+
+    # --- the same parts without the grid (validation) --------------------------------------------
+    def _exact_token_s(self, kind: tuple[int, bool], tokens: float) -> float:
+        return self._token_s(self._rep[kind], math.ceil(tokens))
+
+    def _exact_moe_s(self, received: float, stage_tokens: float) -> float:
+        assert self.load is not None
+        comm = moe_all_to_alls(self.cfg, self.spec, self.mapping, self.load, stage_tokens)
+        return self.timer.time_s(self._moe_launch(received)) + sum(c.time_s for c in comm.values())
+
+    def _exact_prefill_s(self, kind: tuple[int, bool], chunks: Sequence[tuple[int, int]]) -> float:
+        layer = self._rep[kind]  # one launch per chunk (priors on the 32-token grid the kernels take)
+        return sum(
+            self._launches_s(
+                prefill_attention_launches(
+                    self.cfg, self.mapping, layer, -(-new // 32) * 32, cached // 32 * 32
+                )
+            )
+            for new, cached in chunks
+        )
+
+    def _exact_decode_s(self, kind: tuple[int, bool], batch: int, context: float) -> float:
+        c = -(-round(context) // 32) * 32 if self.cfg.attention == "mla" else round(context)
+        return self._launches_s(decode_attention_launches(self.cfg, self.mapping, self._rep[kind], batch, c))
+
+    def _exact_head_s(self, tokens: float) -> float:
+        return self._launches_s(chip_head_launches(self.cfg, math.ceil(tokens)))
+
+    def _exact_tail_s(self, rows: float) -> float:
+        r = max(1, math.ceil(rows))
+        comm = tail_collectives(self.spec, self.mapping, r)
+        return self._launches_s(chip_tail_launches(self.cfg, self.mapping, r)) + sum(
+            c.time_s for c in comm.values()
+        )
+
+    def exact_step_time_s(self, work: StepWork) -> float:
+        """The step of :meth:`step_time_s` priced without the grid: every part is one direct launch
+        at the step's own sizes (tokens rounded up; a whole decode batch and a whole prefill chunk
+        as one launch each, padded to 32 tokens where the kernel needs it). Slow; it measures the
+        interpolation and sub-launch error of the grid."""
+        if work.batch_tokens <= 0:
+            raise InvalidArgumentError("exact_step_time_s: a step needs at least one token")
+        sums = np.array([float(work.decode_context_tokens)])
+        return float(self._step_times(work.decode_count, sums, work.prefill_chunks, exact=True)[0])
+
+    def step_time_s(self, work: StepWork) -> float:
+        """Seconds the deployment takes for one engine step (see the module docstring)."""
+        if work.batch_tokens <= 0:
+            raise InvalidArgumentError("step_time_s: a step needs at least one token")
+        sums = np.array([float(work.decode_context_tokens)])
+        return float(self._step_times(work.decode_count, sums, work.prefill_chunks)[0])
+
+    def decode_stretch_times_s(self, contexts: np.ndarray, steps: int) -> np.ndarray:
+        """float64[steps]: decode-only steps, contexts + j at step j (the same arithmetic as
+        :meth:`step_time_s`, so the times are identical)."""
+        n = int(contexts.size)
+        sums = float(np.sum(contexts)) + float(n) * np.arange(steps, dtype=np.float64)
+        return self._step_times(n, sums, ())
+
+    # --- reports ----------------------------------------------------------------------------------
+    @property
+    def grid_points(self) -> int:
+        """Grid points timed so far (over all parts)."""
+        n = sum(len(t.values) for t in self._tok.values()) + len(self._head.values) + len(self._tail.values)
+        n += sum(len(t.values) for t in self._dec.values()) + sum(len(t.values) for t in self._pre.values())
+        if self.load is not None:
+            n += len(self._moe_pieces) + len(self._a2a.values)
+        return n
+
+    def describe(self) -> dict[str, Any]:
+        """JSON form of what the model is: model, preset, mapping, routing, memory, grid units."""
+        return {
+            "model": self.cfg.name,
+            "preset": self.spec.name,
+            "mapping": self.mapping.as_dict(),
+            "routing": self.routing.name,
+            "chips": self.chips,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "max_batch_tokens": self.max_batch_tokens,
+            "memory": self.memory.as_dict(),
+            "decode_batch_unit": self.b_unit,
+            "prefill_chunk_unit": self.n_unit,
+        }

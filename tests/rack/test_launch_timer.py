@@ -1,0 +1,70 @@
+"""LaunchTimer: each launch timed once, refused batches split, the disk cache, errors on GPU presets."""
+
+import pytest
+
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels.base import KernelDef
+from jalapeno_emu.kernels.registry import get_kernel, register
+from jalapeno_emu.model.plan import launch
+from jalapeno_emu.rack import launch_timer
+from jalapeno_emu.rack.launch_timer import LaunchTimer
+
+_CAP = 64
+
+
+def _capped_build(shape, spec):
+    if shape["tokens"] > _CAP:
+        raise InvalidArgumentError(
+            f"shape key tokens={shape['tokens']}: more than {_CAP} rows (split the batch)"
+        )
+    return get_kernel("rmsnorm").build(shape, spec)
+
+
+_CAPPED = register(
+    KernelDef(
+        "test-capped-rmsnorm",
+        "rmsnorm refusing more than 64 rows (tests)",
+        get_kernel("rmsnorm").shape_keys,
+        _capped_build,
+    )
+)
+
+
+def test_each_launch_is_built_once():
+    timer = LaunchTimer("jalapeno-v1")
+    la = launch("attn_norm", "rmsnorm", tokens=8, hidden=256)
+    first = timer.time(la)
+    assert timer.builds == 1 and timer.time(la) == first and timer.builds == 1
+    assert first.time_s > 0 and first.hbm_bytes > 0 and first.pieces == 1
+
+
+def test_a_refused_batch_runs_as_halves_back_to_back(monkeypatch):
+    monkeypatch.setitem(launch_timer.BATCH_KEYS, _CAPPED.name, "tokens")
+    timer = LaunchTimer("jalapeno-v1")
+    whole = timer.time(launch("x", _CAPPED.name, tokens=256, hidden=256))
+    piece = timer.time(launch("x", _CAPPED.name, tokens=64, hidden=256))
+    assert whole.pieces == 4 and whole.time_s == pytest.approx(4 * piece.time_s, rel=1e-12)
+    with pytest.raises(InvalidArgumentError, match="tokens=256: more than 64 rows"):
+        LaunchTimer("jalapeno-v1").time(launch("x", _CAPPED.name, tokens=256, hidden=256), split=False)
+
+
+def test_disk_cache_is_read_back_by_another_timer(tmp_path):
+    la = launch("attn_norm", "rmsnorm", tokens=16, hidden=128)
+    a = LaunchTimer("jalapeno-v1", disk_cache=tmp_path)
+    t = a.time(la)
+    files = list(tmp_path.glob("timings-*.jsonl"))
+    assert a.builds == 1 and len(files) == 1
+    b = LaunchTimer("jalapeno-v1", disk_cache=tmp_path)
+    assert b.time(la) == t and b.builds == 0
+    files[0].write_text(files[0].read_text() + '{"key": "torn')  # an interrupted writer's last line
+    assert LaunchTimer("jalapeno-v1", disk_cache=tmp_path).time(la) == t
+
+
+def test_a_kernel_that_cannot_run_on_a_gpu_preset_says_which_and_why():
+    la = launch(
+        "attention", "attention-prefill", batch=1, seq=64, prior=0, q_heads=64, kv_heads=8, head_dim=64
+    )
+    with pytest.raises(
+        InvalidArgumentError, match=r"kernel attention-prefill cannot run on gb300-nvl72: .*scratchpad"
+    ):
+        LaunchTimer("gb300-nvl72").time(la)

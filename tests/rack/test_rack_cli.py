@@ -1,0 +1,128 @@
+"""``serve``, ``sweep`` and ``compare``: JSON contract fields, files written, one-line errors."""
+
+import json
+
+import pytest
+
+from jalapeno_emu.cli.main import main
+
+TINY = ["--model", "tiny-gpt-oss", "--isl", "128", "--osl", "16"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("JALAPENO_EMU_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_serve_json_has_the_contract_fields(capsys):
+    assert main(["serve", *TINY, "--concurrency", "2", "--mapping", "tp=2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["command"] == "serve" and doc["mapping"] == "tp=2,ep=1,dp=1,pp=1" and doc["chips"] == 2
+    for key in ("interactivity_tok_s_user", "ttft_s", "tpot_s", "e2e_s", "throughput_tok_s_per_chip"):
+        assert doc[key] > 0, key
+    assert set(doc["tok_s_per_kw"]) == {"package", "sustained", "all_in"}
+    assert doc["interactivity_tok_s_user"] == pytest.approx(1 / doc["tpot_s"])
+
+
+def test_serve_searches_a_mapping_when_none_is_given(capsys):
+    assert (
+        main(
+            [
+                "serve",
+                *TINY,
+                "--concurrency",
+                "4",
+                "--objective",
+                "throughput",
+                "--finalists",
+                "1",
+                "--no-cache",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "tok/s/user" in out and "searched" in out and "mappings (analytic screen)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mapping", "tp=x", "--concurrency", "1"], "tp='x' is not a positive integer"),
+        (["--mapping", "tp=3", "--concurrency", "1"], "tp=3 must divide the 4 attention heads"),
+        (["--concurrency", "1", "--routing", "zipf"], "is not 'uniform' or 'zipf:S'"),
+        (["--concurrency", "0", "--mapping", "tp=1"], "concurrency=0 must be an integer >= 1"),
+    ],
+)
+def test_serve_errors_are_one_line_exit_2(capsys, argv, message):
+    assert main(["serve", *TINY, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_serve_a_model_that_does_not_fit(capsys):
+    assert main(["serve", "--model", "deepseek-r1", "--mapping", "tp=1", "--concurrency", "1"]) == 2
+    assert "GB of weights per chip exceed" in capsys.readouterr().err
+
+
+def test_sweep_writes_plot_svg_csv_and_the_frontier(capsys, tmp_path):
+    png = tmp_path / "front.png"
+    csv = tmp_path / "points.csv"
+    assert (
+        main(
+            [
+                "sweep",
+                *TINY,
+                "--concurrency",
+                "1,8",
+                "--finalists",
+                "1",
+                "--plot",
+                str(png),
+                "--csv",
+                str(csv),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    doc = json.loads(capsys.readouterr().out)
+    assert png.stat().st_size > 0 and (tmp_path / "front.svg").stat().st_size > 0
+    assert csv.read_text().count("\n") == len(doc["points"]) + 1
+    assert doc["frontier"] and {p["concurrency"] for p in doc["points"]} == {1, 8}
+    assert doc["candidates_screened"] >= len({p["mapping"] for p in doc["points"]})
+
+
+def test_compare_reports_ratios_at_matched_concurrencies(capsys):
+    assert (
+        main(
+            [
+                "compare",
+                *TINY,
+                "--presets",
+                "jalapeno-v1,h200",
+                "--concurrency",
+                "2",
+                "--finalists",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    doc = json.loads(capsys.readouterr().out)
+    row = doc["rows"][0]
+    assert row["concurrency"] == 2 and not doc["errors"]
+    ratio = row["ratios"]["h200"]
+    assert ratio["interactivity"] == pytest.approx(
+        row["jalapeno-v1"]["interactivity_tok_s_user"] / row["h200"]["interactivity_tok_s_user"]
+    )
+
+
+def test_compare_fails_loudly_for_a_preset_whose_kernels_refuse_the_model(capsys):
+    assert (
+        main(["compare", "--model", "gpt-oss-120b", "--presets", "gb300-nvl72,h200", "--concurrency", "1"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "gb300-nvl72: kernel moe cannot run on gb300-nvl72" in err and "h200: kernel moe" in err

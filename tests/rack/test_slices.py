@@ -1,0 +1,112 @@
+"""Per-chip slices: the plan's kernels with sliced shapes, work conserved, MoE traffic matrices."""
+
+import numpy as np
+import pytest
+
+from jalapeno_emu.chip import load_preset
+from jalapeno_emu.model import Step, layer_launches, load_model_config
+from jalapeno_emu.rack.launch_timer import LaunchTimer
+from jalapeno_emu.rack.mapping import Mapping
+from jalapeno_emu.rack.routing import ExpertLoad, parse_routing
+from jalapeno_emu.rack.slices import (
+    chip_config,
+    chip_layer_launches,
+    layer_collectives,
+    moe_byte_matrices,
+    routed_moe_launch,
+    token_launches,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_config("tiny-gpt-oss")  # 4 query heads, 2 KV heads of 32, 8 experts top-2
+
+
+@pytest.fixture(scope="module")
+def timer():
+    return LaunchTimer("jalapeno-v1")
+
+
+def test_chip_config_splits_heads_and_widths():
+    gpt = load_model_config("gpt-oss-120b")
+    c = chip_config(gpt, Mapping(tp=16, ep=16))
+    assert (c.q_heads, c.kv_heads, c.experts, c.moe_intermediate) == (4, 1, 8, 2880)
+    c = chip_config(gpt, Mapping(tp=4))  # ep=1: every expert's 2880 columns over 4 chips
+    assert (c.q_heads, c.kv_heads, c.experts, c.moe_intermediate, c.vocab) == (16, 2, 128, 736, 50272)
+    ds = chip_config(load_model_config("deepseek-r1"), Mapping(tp=8, ep=8))
+    assert (ds.q_heads, ds.kv_heads, ds.dense_intermediate, ds.experts, ds.n_group) == (16, 16, 2304, 32, 1)
+
+
+def test_one_chip_runs_the_plans_launches(tiny):
+    step = Step("decode", batch=4, context=100)
+    load = ExpertLoad(tiny.experts, tiny.top_k, 1)
+    plan = layer_launches(tiny, 1, step)
+    chip = chip_layer_launches(tiny, Mapping(), 1, step, load)
+    assert [(la.label, la.kernel) for la in chip] == [(la.label, la.kernel) for la in plan]
+    assert [la for la in chip if la.label != "moe"] == [la for la in plan if la.label != "moe"]
+    moe = next(la for la in chip if la.label == "moe").shape_dict
+    assert (
+        moe["tokens"] == 4
+        and moe["experts"] == 8
+        and moe["distinct_experts"] == round(float(load.distinct(4)))
+    )
+
+
+def test_tensor_parallel_gemms_conserve_flops_and_weight_bytes(tiny, timer):
+    t = 16
+    whole = {la.label: timer.time(la) for la in token_launches(tiny, Mapping(), 0, t) if la.kernel == "gemm"}
+    half = {
+        la.label: timer.time(la) for la in token_launches(tiny, Mapping(tp=2), 0, t) if la.kernel == "gemm"
+    }
+    assert set(whole) == {"qkv_proj", "o_proj"}
+    for label in whole:
+        assert 2 * half[label].flops == pytest.approx(whole[label].flops, rel=1e-9), label
+    # qkv: weights, bias and output split in two; the only extra bytes are the input rows read by
+    # both chips (at most one more read of x: the kernel may read x per column panel anyway)
+    x_bytes = t * tiny.hidden * 2
+    extra = 2 * half["qkv_proj"].hbm_bytes - whole["qkv_proj"].hbm_bytes
+    assert 0 <= extra <= x_bytes
+
+
+def test_expert_parallel_slices_conserve_expert_work(tiny, timer):
+    """ep=2 chips each take 4 experts: the distinct experts (weights read) over both groups equal
+    one die's, and the (token, expert) pairs routed add up to tokens x top_k."""
+    stage_tokens = 16
+    load = ExpertLoad(tiny.experts, tiny.top_k, 2)
+    groups = [float(load.distinct(stage_tokens, g)) for g in range(2)]
+    whole = float(ExpertLoad(tiny.experts, tiny.top_k, 1).distinct(stage_tokens))
+    assert sum(groups) == pytest.approx(whole)
+    pairs = sum(float(load.received(stage_tokens, g)) * load.picks_per_token(g) for g in range(2))
+    assert pairs == pytest.approx(stage_tokens * tiny.top_k)
+    one = timer.time(
+        routed_moe_launch(
+            tiny, Mapping(tp=1, dp=2, ep=2), load.received(16), groups[0], load.picks_per_token()
+        )
+    )
+    die = timer.time(routed_moe_launch(tiny, Mapping(), 16, whole, tiny.top_k))
+    assert one.hbm_bytes < die.hbm_bytes  # half the experts' weights on each chip
+
+
+def test_moe_byte_matrices_dp1_is_a_reduce_scatter_and_dp_groups_dispatch(tiny):
+    load = ExpertLoad(tiny.experts, tiny.top_k, 1)
+    dispatch, combine = moe_byte_matrices(tiny, Mapping(tp=4), load, 64)
+    row = 16 * tiny.hidden * 2  # 64 tokens, 16 homed per chip, BF16
+    assert not dispatch.any()  # the DP group already holds every token
+    assert np.all(combine.sum(axis=1) == 3 * row) and np.all(np.diag(combine) == 0)
+    ep = ExpertLoad(tiny.experts, tiny.top_k, 4)
+    dispatch, combine = moe_byte_matrices(tiny, Mapping(tp=1, dp=4, ep=4), ep, 64)
+    assert np.all(dispatch[~np.eye(4, dtype=bool)] == round(16 * ep.hit[0] * tiny.hidden * 2))
+    assert np.array_equal(dispatch, combine.T)
+
+
+def test_skewed_routing_loads_the_busiest_chip_and_its_links(tiny):
+    v1 = load_preset("jalapeno-v1")
+    m = Mapping(tp=1, dp=4, ep=4)
+    uniform = ExpertLoad(tiny.experts, tiny.top_k, 4)
+    skewed = ExpertLoad(tiny.experts, tiny.top_k, 4, parse_routing("zipf:1.5"))
+    assert float(skewed.received(256)) > float(uniform.received(256))
+    a = layer_collectives(tiny, v1, m, 0, 64, 256, uniform)
+    b = layer_collectives(tiny, v1, m, 0, 64, 256, skewed)
+    assert b["moe_combine"].time_s > a["moe_combine"].time_s
+    assert b["moe_dispatch"].busiest_chip_bytes > a["moe_dispatch"].busiest_chip_bytes

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.kernels.moe import grouping_of
 from jalapeno_emu.model.config import ModelConfig
 from jalapeno_emu.model.plan import Launch, Step, head_launches, launch, layer_launches, tail_launches
 from jalapeno_emu.rack.collectives import CollectiveTime, best_all_gather, best_all_reduce, best_all_to_all
@@ -84,8 +85,8 @@ ATTENTION_LABELS = frozenset({"kv_append", "attention", "mla_append"})
 ACT_BYTES = 2
 """Hidden states travel between chips as BF16."""
 SLOT_TOKENS = 128
-"""Tokens up to which the moe kernel computes per expert slot (one matrix-unit row tile; its
-``grouping=auto`` threshold)."""
+"""Tokens up to which the moe kernel may compute per expert slot (one matrix-unit row tile; its
+``grouping=auto`` threshold, when the partial output also fits the accumulators)."""
 _DENSE_PART_CONTEXT = 32  # any context the attention kernels accept; token_launches drops them
 
 
@@ -118,15 +119,21 @@ def layer_kind(cfg: ModelConfig, layer: int) -> tuple[int, bool]:
 
 
 def routed_moe_launch(
-    cfg: ModelConfig, mapping: Mapping, tokens: float, distinct: float, top_k: float
+    cfg: ModelConfig,
+    mapping: Mapping,
+    tokens: float,
+    distinct: float,
+    top_k: float,
+    spec: ChipSpec | None = None,
 ) -> Launch:
     """The routed-expert launch of one chip: ``tokens`` received, each picking ``top_k`` of the
     chip's experts, ``distinct`` expert slots; all rounded to integers and clamped to what the
     kernel takes (top_k in 1..E/ep, distinct in top_k..min(E/ep, tokens * top_k)).
 
-    Above :data:`SLOT_TOKENS` tokens the kernel groups tokens per expert (its ``grouping=auto``
-    picks the gather program), every local expert is an item and the slot count does not apply
-    (``distinct_experts=0``).
+    The kernel's ``grouping=auto`` chooses between serving expert slots (up to 128 tokens, when
+    its [tokens, hidden] partial fits ``spec``'s accumulators) and gathering each expert's tokens;
+    in the latter every local expert is an item and the slot count does not apply
+    (``distinct_experts=0``). Without ``spec`` the slot program is assumed up to 128 tokens.
 
     Raises:
         InvalidArgumentError: a model without routed experts (from the kernel's shape checks).
@@ -145,6 +152,7 @@ def routed_moe_launch(
         activation=chip.activation,
         router=chip.router,
         expert_bias=chip.expert_bias,
+        routing="uniform",
     )
     if chip.router == "sigmoid_topk":
         keys.update(
@@ -153,11 +161,10 @@ def routed_moe_launch(
             topk_group=1,
             score_bias=chip.score_bias,
         )
-    # Up to one 128-token tile the kernel serves expert slots: give it the expected distinct
-    # experts. Beyond, its grouping=auto gathers each expert's tokens and every local expert is an
-    # item, so the slot count does not apply (0, with routing=uniform for kernels without gathering).
-    keys.update(distinct_experts=d if t <= SLOT_TOKENS else 0, routing="uniform")
-    return launch("moe", "moe", **keys)
+    slots = launch("moe", "moe", **keys, distinct_experts=d)
+    if spec is not None:
+        return slots if grouping_of(slots.shape_dict, spec) == "dense" else launch("moe", "moe", **keys)
+    return slots if t <= SLOT_TOKENS else launch("moe", "moe", **keys)
 
 
 def _shared_launch(cfg: ModelConfig, tokens: int) -> Launch:

@@ -39,11 +39,12 @@ sequences with mean context ``c`` and prefill chunks, ``t = b + prefill tokens``
 grid points, each the first time a step needs it, and never again:
 
 - ``T``, ``A``, embedding, tail: tokens in powers of two, piecewise linear in tokens;
-- ``M``: received tokens in powers of two up to 256, then x4 steps; up to 128 tokens (one
-  matrix-unit tile) the kernel serves expert *slots* and the time is piecewise linear in the
-  expected distinct experts, which its weight reads follow; above, its token-gathering program
-  runs, piecewise linear in tokens (between 128 and 256 it is priced at 256: the gathering
-  program's fixed cost is a step up from the slot program's); a batch the kernel refuses (a GPU
+- ``M``: received tokens in powers of two up to 256, then x4 steps. Where the kernel serves
+  expert *slots* (up to 128 tokens, one matrix-unit tile, when its partial fits the accumulators)
+  the time is piecewise linear in the expected distinct experts, which its weight reads follow;
+  where it runs its token-gathering program, piecewise linear in tokens; between a slot point and
+  a gathering point it is priced at the gathering one (that program's fixed cost is a step up); a
+  batch the kernel refuses (a GPU
   preset's small scratchpad) runs as equal pieces, each hitting its own distinct experts;
 - ``D``: batch in powers of two up to ``b_unit`` (the batch that gives every core two KV heads of
   a sequence: ``2 * cores / kv heads per chip``; MLA ``2 * cores``), times contexts 32, 64, ...
@@ -375,6 +376,7 @@ class RackStepModel:
             received,
             float(self.load.distinct(stage_tokens)),
             self.load.picks_per_token(),
+            self.spec,
         )
 
     def _moe_point(self, tokens: int) -> tuple[float, bool] | None:

@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.kernels.moe import grouping_of
 from jalapeno_emu.model.config import ModelConfig
 from jalapeno_emu.model.plan import Launch, Step, head_launches, launch, layer_launches, tail_launches
 from jalapeno_emu.rack.collectives import CollectiveTime, best_all_gather, best_all_reduce, best_all_to_all
@@ -163,6 +162,8 @@ def routed_moe_launch(
         )
     slots = launch("moe", "moe", **keys, distinct_experts=d)
     if spec is not None:
+        from jalapeno_emu.kernels.moe import grouping_of  # the kernel's own rule (loaded on use)
+
         return slots if grouping_of(slots.shape_dict, spec) == "dense" else launch("moe", "moe", **keys)
     return slots if t <= SLOT_TOKENS else launch("moe", "moe", **keys)
 
@@ -186,7 +187,12 @@ def _home_tokens(tokens: int, tp: int) -> int:
 
 
 def chip_layer_launches(
-    cfg: ModelConfig, mapping: Mapping, layer: int, step: Step, load: ExpertLoad | None = None
+    cfg: ModelConfig,
+    mapping: Mapping,
+    layer: int,
+    step: Step,
+    load: ExpertLoad | None = None,
+    spec: ChipSpec | None = None,
 ) -> tuple[Launch, ...]:
     """The busiest chip's launches of ``layer`` for ``step``, in the plan's order.
 
@@ -195,6 +201,7 @@ def chip_layer_launches(
         load: the expert load (needed for MoE layers): the routed launch gets the tokens the
             busiest expert group receives out of the stage's ``dp * step.tokens``, the experts
             each picks there and its expected distinct experts (see :func:`routed_moe_launch`).
+        spec: the chip, for the MoE kernel's choice of program (see :func:`routed_moe_launch`).
     """
     chip = chip_config(cfg, mapping)
     out: list[Launch] = []
@@ -212,6 +219,7 @@ def chip_layer_launches(
                 float(load.received(stage_tokens)),
                 float(load.distinct(stage_tokens)),
                 load.picks_per_token(),
+                spec,
             )
         )
         if cfg.shared_experts:

@@ -39,7 +39,7 @@ sequences with mean context ``c`` and prefill chunks, ``t = b + prefill tokens``
 grid points, each the first time a step needs it, and never again:
 
 - ``T``, ``A``, embedding, tail: tokens in powers of two, piecewise linear in tokens;
-- ``M``: received tokens in powers of two up to 256, then x4 steps. Where the kernel serves
+- ``M``: received tokens in powers of two. Where the kernel serves
   expert *slots* (up to 128 tokens, one matrix-unit tile, when its partial fits the accumulators)
   the time is piecewise linear in the expected distinct experts, which its weight reads follow;
   where it runs its token-gathering program, piecewise linear in tokens; between a slot point and
@@ -118,9 +118,9 @@ CONTEXT_GRID = np.unique(
 """Decode contexts the attention part is timed at (as needed)."""
 PRIOR_GRID = np.concatenate([[0.0], 2.0 ** np.arange(9, 24)])
 """Cached tokens before a prefill chunk that its attention is timed at (as needed)."""
-MOE_GRID = np.array([2.0**i for i in range(9)] + [256.0 * 4**i for i in range(1, 8)])
-"""Tokens received the routed-expert kernel is timed at (as needed): powers of two up to 256, then
-x4 steps (the token-gathering program above 128 tokens is close to linear in tokens)."""
+MOE_GRID = _POW2
+"""Tokens received the routed-expert kernel is timed at (as needed): powers of two (a step's budget,
+8192 tokens by default, is one of them)."""
 
 
 def _pow2_ceil(x: float) -> int:

@@ -68,6 +68,7 @@ budget (default 8192) times dp.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -119,6 +120,7 @@ CONTEXT_GRID = np.unique(
 PRIOR_GRID = np.concatenate([[0.0], 2.0 ** np.arange(9, 24)])
 """Cached tokens before a prefill chunk that its attention is timed at (as needed)."""
 MOE_GRID = _POW2
+_MOE_GRID_LIST = [float(g) for g in MOE_GRID]
 """Tokens received the routed-expert kernel is timed at (as needed): powers of two (a step's budget,
 8192 tokens by default, is one of them)."""
 
@@ -135,11 +137,19 @@ def _bracket(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return i, w
 
 
+def _bracket1(grid: list[float], x: float) -> tuple[int, float]:
+    """:func:`_bracket` for one x, in plain floats (the same arithmetic, so the same result)."""
+    x = min(max(x, grid[0]), grid[-1])
+    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
+    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
+
+
 class _Lazy1D:
     """f on grid points, computed when first needed; piecewise linear between them."""
 
     def __init__(self, grid: np.ndarray, f: Callable[[int], float]) -> None:
         self.grid, self.f = grid, f
+        self._grid = [float(g) for g in grid]
         self.values: dict[int, float] = {}
 
     def point(self, i: int) -> float:
@@ -149,8 +159,7 @@ class _Lazy1D:
         return v
 
     def __call__(self, x: float) -> float:
-        i, w = _bracket(self.grid, np.array([float(x)]))
-        i0, w0 = int(i[0]), float(w[0])
+        i0, w0 = _bracket1(self._grid, float(x))
         lo = self.point(i0)
         if w0 == 0.0:
             return lo
@@ -172,6 +181,7 @@ class _Lazy2D:
         flops_per_s: float,
     ) -> None:
         self.xs, self.ys, self.f = xs, ys, f
+        self._xs, self._ys = [float(v) for v in xs], [float(v) for v in ys]
         self.bytes_per_s, self.flops_per_s = bytes_per_s, flops_per_s
         self.values: dict[tuple[int, int], np.ndarray] = {}
 
@@ -183,12 +193,17 @@ class _Lazy2D:
 
     def _column(self, i: int, ys: np.ndarray) -> np.ndarray:
         """float64[3, n]: the figures at x = xs[i], interpolated over ys."""
+        if ys.size == 1:  # one step: plain floats, the same arithmetic as the arrays below
+            j0, w0 = _bracket1(self._ys, float(ys[0]))
+            lo1 = self._point(i, j0)
+            out = lo1 if w0 == 0.0 else lo1 + w0 * (self._point(i, j0 + 1) - lo1)
+            return out.reshape(3, 1)
         j, w = _bracket(self.ys, ys)
         lo = np.stack([self._point(i, int(a)) for a in j], axis=1)
         hi = np.stack(
             [self._point(i, int(a) + 1) if b > 0 else np.zeros(3) for a, b in zip(j, w, strict=True)], axis=1
         )
-        return lo + w * (hi - lo)
+        return np.where(w > 0, lo + w * (hi - lo), lo)
 
     def __call__(self, x: float, ys: np.ndarray) -> np.ndarray:
         top = self.xs.size - 1
@@ -203,8 +218,7 @@ class _Lazy2D:
                 ]
             )
             return hi[0] + (x - self.xs[top]) * slope
-        i, w = _bracket(self.xs, np.array([float(x)]))
-        i0, w0 = int(i[0]), float(w[0])
+        i0, w0 = _bracket1(self._xs, float(x))
         lo = self._column(i0, ys)[0]
         if w0 == 0.0:
             return lo
@@ -414,9 +428,9 @@ class RackStepModel:
         pieces = 1
         while True:
             x = max(1.0, received / pieces)
-            i, w = _bracket(MOE_GRID, np.array([x]))
-            lo, hi = int(MOE_GRID[i[0]]), int(MOE_GRID[i[0] + 1])
-            top = hi if w[0] > 0 else lo
+            i, w = _bracket1(_MOE_GRID_LIST, x)
+            lo, hi = int(MOE_GRID[i]), int(MOE_GRID[i + 1])
+            top = hi if w > 0 else lo
             p_top = self._moe_point(top)
             if p_top is None:
                 below = MOE_GRID[top > MOE_GRID]
@@ -426,7 +440,7 @@ class RackStepModel:
                 return pieces * p_top[0]
             p_lo = self._moe_point(lo)
             assert p_lo is not None
-            weight = float(w[0])
+            weight = w
             if p_lo[1] and not p_top[1]:
                 weight = 1.0  # slots below, the gathering program above: x runs the latter
             elif p_lo[1] and p_top[1]:

@@ -65,6 +65,7 @@ def test_serve_a_model_that_does_not_fit(capsys):
     assert "GB of weights per chip exceed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sweep_writes_plot_svg_csv_and_the_frontier(capsys, tmp_path):
     png = tmp_path / "front.png"
     csv = tmp_path / "points.csv"

@@ -30,9 +30,10 @@ def test_decode_stretch_is_exactly_the_steps_one_by_one(tp2):
     assert stretch.tolist() == one_by_one
 
 
-@pytest.mark.parametrize(
-    "batch, context", [(3, 100), (6, 777), (12, 3000), (24, 1500), (80, 5000), (200, 2500)]
-)
+@pytest.mark.parametrize("batch, context", [
+    (3, 100), (6, 777), (12, 3000), (24, 1500),
+    pytest.param(80, 5000, marks=pytest.mark.slow), pytest.param(200, 2500, marks=pytest.mark.slow),
+])
 def test_decode_interpolation_error_against_direct_timing_runs(tp2, batch, context):
     """Off-grid decode steps vs every launch timed at the step's own sizes. Measured: within 0.2 %
     on the grid's span (batch <= 128 here), -2 % at batch 80 and -4 % at batch 200 where the
@@ -60,6 +61,7 @@ def test_a_mixed_step_reads_the_weights_once(tp2):
     assert max(t_d, t_p) < t_m < t_d + t_p
 
 
+@pytest.mark.slow
 def test_a_pipeline_bubbles_on_a_single_sequence_and_fills_with_many():
     one = RackStepModel("tiny-gpt-oss", "jalapeno-v1", "tp=1")
     two = RackStepModel("tiny-gpt-oss", "jalapeno-v1", "tp=1,pp=2")

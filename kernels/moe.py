@@ -984,11 +984,11 @@ MOE = register(KernelDef(
                  "Kimi K2 2.827)"),
         ShapeKey("act_fmt", str, "fp8e4", "format of x and the activations on the matrix unit",
                  choices=("fp8e4", "fp4", "bf16")),
-        ShapeKey("routing", str, "any", "expert slots when distinct_experts=0: any = min(E, T*k), "
-                 "enough for every routing; uniform = expected distinct experts under uniform routing",
-                 choices=("any", "uniform")),
-        ShapeKey("distinct_experts", int, 0, "expert slots the program gathers (0: from routing)",
-                 minimum=0),
+        ShapeKey("routing", str, "any", "grouping=dense: expert slots when distinct_experts=0: any = "
+                 "min(E, T*k), enough for every routing; uniform = expected distinct experts under uniform "
+                 "routing (grouping=gather runs every expert)", choices=("any", "uniform")),
+        ShapeKey("distinct_experts", int, 0, "grouping=dense: expert slots the program gathers (0: from "
+                 "routing)", minimum=0),
         ShapeKey("slice", int, 0, "intermediate columns per work item, multiple of 32 (0: automatic)",
                  minimum=0),
         ShapeKey("grouping", str, "auto", "dense: every expert slot computes every token (T <= 128); "

@@ -85,7 +85,6 @@ __all__ = ["GatherItem", "GatherPlan", "gather_reference", "plan_gather"]
 
 _BLOCK = 128  # tokens per routing / list / combine block (the matrix unit's row tile)
 _SRAM_SHARE = 0.95
-_MAX_ROWS = 256  # rows of one expert item (x rows and activations stay in SRAM)
 _BIAS_PARTS = 3
 
 
@@ -212,8 +211,8 @@ def _capacity(tb: int, e: int, k: int, factor: float) -> int:
 
 
 def _items(t: int, e: int, s: int, nb: int, cap: int, slices: tuple[tuple[int, int], ...],
-           bias: bool, shared_rows: int, ranges: list[tuple[int, ...]]) -> list[GatherItem]:
-    per_item = max(1, _MAX_ROWS // cap) if e else 0  # blocks per routed item
+           bias: bool, shared_rows: int, ranges: list[tuple[int, ...]], max_rows: int) -> list[GatherItem]:
+    per_item = max(1, max_rows // cap) if e else 0  # blocks per routed item
     all_slices = tuple(range(len(slices)))
     out = []
     for ex in range(e):
@@ -235,23 +234,26 @@ def _hbm_rate(spec: ChipSpec, cores: int) -> float:
                hbm.bytes_per_s_per_pseudo_channel * hbm.pseudo_channels * hbm.efficiency / cores)
 
 
-def _item_cost(it: GatherItem, h: int, slices, spec: ChipSpec, act_fmt: str) -> float:
+def _item_cost(it: GatherItem, h: int, slices, down_blocks, spec: ChipSpec, act_fmt: str) -> float:
     """Estimated seconds of one item on one core, all cores busy: max(its bytes over a core's share
-    of HBM, its matrix-unit steps)."""
+    of HBM, its matrix-unit steps: 128 x 128 x 32 tiles, partial tiles priced whole)."""
+    mx_ = spec.matrix
     w_cols = sum(slices[j][1] for j in it.slices)
     item_bytes = 51 * h * w_cols // 32 + it.rows * h * (4 + 1)  # weights, x rows in, FP32 rows out
-    macs = {"fp4": spec.matrix.mxfp4_macs_per_cycle, "fp8e4": spec.matrix.mxfp8_macs_per_cycle,
-            "bf16": spec.matrix.bf16_macs_per_cycle}[act_fmt]
-    mt = -(-it.rows // spec.matrix.tile_m)
-    steps = mt * 3 * (-(-w_cols // spec.matrix.tile_n)) * (-(-h // spec.matrix.tile_k))
-    tile = spec.matrix.tile_m * spec.matrix.tile_n * spec.matrix.tile_k
-    return max(item_bytes / _hbm_rate(spec, spec.core.count), steps * tile / macs / spec.core.clock_hz)
+    macs = {"fp4": mx_.mxfp4_macs_per_cycle, "fp8e4": mx_.mxfp8_macs_per_cycle,
+            "bf16": mx_.bf16_macs_per_cycle}[act_fmt]
+    mt = -(-it.rows // mx_.tile_m)
+    gu = sum(-(-2 * slices[j][1] // mx_.tile_n) for j in it.slices) * -(-h // mx_.tile_k)
+    down = sum(-(-hw // mx_.tile_n) for _, hw in down_blocks) * -(-w_cols // mx_.tile_k)
+    tile = mx_.tile_m * mx_.tile_n * mx_.tile_k
+    mxu_s = mt * (gu + down) * tile / macs / spec.core.clock_hz
+    return max(item_bytes / _hbm_rate(spec, spec.core.count), mxu_s)
 
 
 def _estimate(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> float:
     """Estimated seconds: the busiest core's items or HBM overall, whichever is longer, then the
     combine; penalised beyond ~150k instructions (build and check time)."""
-    costs = [_item_cost(it, p.h, p.slices, spec, act_fmt) for it in p.items]
+    costs = [_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt) for it in p.items]
     core_s = _lpt(costs, p.cores)[1]
     weights = sum(51 * p.h * sum(p.slices[j][1] for j in it.slices) // 32 for it in p.items)
     out_rows = p.nb * p.o_rows if p.e else 0
@@ -286,27 +288,30 @@ def plan_gather(shape: dict[str, Any], spec: ChipSpec) -> GatherPlan:
         r_parts += 1
     ew = e // r_parts if e else 0
     best: tuple[float, int, GatherPlan] | None = None
-    for n, (w, hb, nbuf, shared_rows, i_range) in enumerate(_candidates(shape)):
+    n = 0
+    for w, hb, shared_rows, i_range, fallbacks in _candidates(shape):
         slices = _slices(i, w)
         ranges = _ranges(len(slices), w, i_range)
-        items = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges)
-        hc, ng = _combine_split(h, tb, nb, (k if e else 0) + s * len(ranges), spec.core.count, sram_cap)
-        p = _make_plan(shape, spec, tb, cap, slices, bias, r_parts, ew, rd, items, hb, (hc, ng),
-                       s * len(ranges), nbuf)
-        r_max, i_max = _r_i_max(p)
-        if _sram_bytes(p, shape, r_max, i_max) > sram_cap or \
-                _acc_bytes(p, r_max) > spec.sram.accumulator_bytes:
-            continue
-        est = _estimate(p, spec, act_fmt)
-        if best is None or est < best[0]:
-            best = (est, n, p)
+        for nbuf, max_rows in fallbacks:  # the first that fits is the best of these
+            n += 1
+            items = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges, max_rows)
+            hc, ng = _combine_split(h, tb, nb, (k if e else 0) + s * len(ranges), spec.core.count, sram_cap)
+            p = _make_plan(shape, spec, tb, cap, slices, bias, r_parts, ew, rd, items, hb, (hc, ng),
+                           s * len(ranges), nbuf)
+            r_max, i_max = _r_i_max(p)
+            if _sram_bytes(p, shape, r_max, i_max) > sram_cap or \
+                    _acc_bytes(p, r_max) > spec.sram.accumulator_bytes:
+                continue
+            est = _estimate(p, spec, act_fmt)
+            if best is None or est < best[0]:
+                best = (est, n, p)
+            break
     if best is None:
         raise InvalidArgumentError(
             f"shape key hidden={h} (tokens={t}, grouping=gather): no split of the expert work fits a "
             f"core's {spec.sram.scratchpad_bytes:,} B of scratchpad")
     p = best[2]
-    return GatherPlan(**{**p.__dict__, "item_core": tuple(_assign(list(p.items), h, p.slices, spec, act_fmt,
-                                                                    p.cores))})
+    return GatherPlan(**{**p.__dict__, "item_core": tuple(_assign(p, spec, act_fmt))})
 
 
 def _ranges(n_slices: int, w: int, i_range: int) -> list[tuple[int, ...]]:
@@ -324,18 +329,20 @@ def _combine_split(h: int, tb: int, nb: int, terms: int, cores: int, sram_cap: i
 
 
 def _candidates(shape: dict[str, Any]):
-    """(slice width, down H block, gate|up buffers, shared rows per item, shared I range) to try."""
+    """(slice width, down H block, shared rows per item, shared I range, [(gate|up buffers, routed
+    rows per item at most), best first]) to try. Rows per item and H blocks trade SRAM and
+    accumulators for fewer weight re-reads and instructions; the small ones exist for small chips."""
     h, i = shape["hidden"], shape["intermediate"]
     w_key = shape["slice"]
     widths = [w_key] if w_key else sorted({min(w, i) for w in (64, 128, 256, 512)})
-    blocks = sorted({min(hb, h) for hb in (256, 512, 1024, 2048)})
-    shared = [(rows, min(rng, i)) for rows in (128, 256, 512) for rng in (512, 1152, 2304, 4608)] if shape[
-        "shared_experts"] else [(128, i)]
+    blocks = sorted({min(hb, h) for hb in (64, 256, 512, 1024, 2048)})
+    shared = [(rows, min(rng, i)) for rows in (32, 128, 256, 512) for rng in (512, 1152, 2304, 4608)] if \
+        shape["shared_experts"] else [(128, i)]
+    fallbacks = [(nbuf, rows) for rows in ((256, 128, 64) if shape["experts"] else (256,)) for nbuf in (3, 2)]
     for w in widths:
         for hb in blocks:
-            for nbuf in (3, 2):
-                for rows, rng in sorted(set(shared)):
-                    yield w, hb, nbuf, rows, rng
+            for rows, rng in sorted(set(shared)):
+                yield w, hb, rows, rng, fallbacks
 
 
 def _make_plan(shape, spec, tb, cap, slices, bias, r_parts, ew, rd, items, hb, combine, n_partials,
@@ -362,9 +369,9 @@ def _lpt(costs: list[float], cores: int) -> tuple[list[int], float]:
     return out, max(load for load, _ in heap)
 
 
-def _assign(items: list[GatherItem], h: int, slices, spec: ChipSpec, act_fmt: str, cores: int) -> list[int]:
+def _assign(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> list[int]:
     """The items' cores (``_lpt`` of their estimated times)."""
-    return _lpt([_item_cost(it, h, slices, spec, act_fmt) for it in items], cores)[0]
+    return _lpt([_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt) for it in p.items], p.cores)[0]
 
 
 # --- per-core buffers -------------------------------------------------------------------------

@@ -6,8 +6,11 @@ BF16 values (512 + 64 for DeepSeek/Kimi), shared by every query head. Inputs are
 - ``q``: [tokens*q_heads, nope_dim + rope_dim], row ``token*q_heads + h`` = ``[q_nope | q_pe]``
   of head h, i.e. the output of q_b_proj with RoPE already applied to q_pe (the q down/up
   projections and RoPE are not part of these kernels).
-- ``kv_cache``: [batch*context, kv_lora_rank + rope_dim], row ``b*context + t`` = ``[c_kv | k_pe]``
-  (k_pe already rotated); prefill's context is prior + seq.
+- ``kv_cache``: [batch*cap, kv_lora_rank + rope_dim], row ``b*cap + t`` = ``[c_kv | k_pe]`` of
+  position t (k_pe already rotated). ``cap`` (tokens per sequence) is shape key ``capacity``, or,
+  when that is 0, the sequence's tokens rounded up to 32 (``latent_cache_capacity``): decode's
+  ``context``, prefill's ``prior + seq``; mla-append writes the same layout. Rows t >= the
+  sequence's tokens are padding: their contents never reach the output (decode masks them).
 - ``w_kv_b``: [q_heads*(nope_dim + v_head_dim), kv_lora_rank], DeepSeek's ``kv_b_proj.weight``:
   rows ``h*(nope+v) ..+nope`` are W_UK[h] (k_nope = c_kv @ W_UK[h]^T), the next ``v`` rows
   W_UV[h] (v = c_kv @ W_UV[h]^T).
@@ -27,6 +30,18 @@ BF16 values (512 + 64 for DeepSeek/Kimi), shared by every query head. Inputs are
 3. up-projection (heads split over cores): o_lat rows are copied back to their head's core and
    out[b, h] = bf16(bf16(o_lat[b, h]) @ W_UV[h]^T) (M = batch).
 
+Any ``context`` >= 1 works: the matrix unit contracts P @ c_kv over 32-token blocks, so the
+tiles cover the context rounded up to 32 (``span``), and when that adds padding, the softmax of
+each sequence's last tile first sets the scores of the padded positions (its last span - context
+columns) to ``MASK_VALUE`` (-1e30) with one ``vec.clamp(s, s, -1e30, -1e30)``: the same masking
+as attention-decode's additive 0 / -1e30 tile, without a mask input, its load (64 cores reading
+one HBM row contend on one pseudo-channel: 0.2 us at DeepSeek-R1 batch 64) or an add over
+the real columns. The masked scores are exactly -1e30 whatever the padded rows hold, so their P
+is exactly 0 and they add exactly 0 to the row sum and to P @ c_kv, as long as the padding is
+finite (0 x inf is NaN). -1e30 rather than -inf for attention-decode's reason; here the tile also
+holds the real token context-1, so the row maximum is a real score. A context that is a
+multiple of 32 has no masking and the program of a full cache.
+
 HBM traffic is the cache once, the weights once, q and out. With DeepSeek's 128 heads the
 FLOPs per cached byte are 2*128*(576 + 512)/1152 = 242, just above BF16's FLOP/byte balance on
 jalapeno-v1 (3.36 PFLOP/s over 15.4 TB/s = 218, or 242 against the 90 % achievable HBM rate): the
@@ -35,11 +50,15 @@ the stream (absorption, the two all-to-all copy rounds, up-projection) add a fix
 64 heads halve the FLOPs and leave decode HBM-bound.
 
 ``mla-prefill`` uses the naive (non-absorbed) form on a chunk of ``seq`` new tokens per
-sequence after ``prior`` tokens already cached (chunked prefill; shape key ``prior``, a multiple
-of 32 like mla-decode's context, 0 for a whole prompt). ``kv_cache`` arrives with all
-prior + seq rows of each sequence filled, the chunk's included (the model's append step writes
-them, k_pe rotated), in mla-decode's layout; the kernel only reads it. ``q`` rows are the
-chunk's tokens, q_pe rotated at positions prior..prior+seq-1. Per (sequence, head) work item,
+sequence after ``prior`` tokens already cached (chunked prefill; shape key ``prior``, 0 for a
+whole prompt). ``prior`` and ``seq`` must be multiples of 32: the prior context's key tiles and
+the chunk's key tiles are contraction dimensions of P @ V, in 32-token blocks, and the causal
+mask is one [T, T] pattern per diagonal tile (a ragged chunk would need a padding mask too; a
+prompt's tail shorter than a block can go through mla-decode token by token). ``kv_cache``
+arrives with all prior + seq rows of each sequence filled, the chunk's included (the model's
+append step writes them, k_pe rotated), in mla-decode's layout (``cap`` rows per sequence);
+the kernel only reads it. ``q`` rows are the chunk's tokens, q_pe rotated at positions
+prior..prior+seq-1. Per (sequence, head) work item,
 K_h = [bf16(c_kv @ W_UK[h]^T) | k_pe] and V_h = bf16(c_kv @ W_UV[h]^T) are decompressed into SRAM
 for all prior + seq tokens, then causal flash attention over T-token tiles: query tile i walks
 the prior context's key tiles unmasked, then the chunk's key tiles (aligned with the query
@@ -70,17 +89,41 @@ from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 
+from .attention_ref import MASK_VALUE
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
 from .registry import register
 
-__all__ = ["MLA_DECODE", "MLA_PREFILL", "mla_decode_reference", "mla_prefill_reference",
-           "yarn_softmax_scale"]
+__all__ = ["MLA_DECODE", "MLA_PREFILL", "latent_cache_capacity", "mla_decode_reference",
+           "mla_prefill_reference", "yarn_softmax_scale"]
 
 _MAX_DECODE_TILE = 512  # context tokens per tile: big enough to amortise DMA set-up and issue
 _MAX_DECODE_BUFFERS = 4  # latent cache tiles in flight per core
 _MAX_PREFILL_TILE = 256  # query/key tile: two 128-row passes; fewer, larger tiles amortise issue
 _SLACK = 8192  # bytes kept free for allocation alignment (64 B per allocation)
+_BLOCK = 32  # tokens per matrix-unit contraction block: cache capacities and key tiles come in these
+_PAD_GARBAGE = 1e4  # magnitude of the test inputs' padding rows: large, finite, random signs
 _BF16 = ml_dtypes.bfloat16
+
+
+def latent_cache_capacity(tokens: int, capacity: int = 0, what: str = "context") -> int:
+    """Rows per sequence of the MLA latent cache (``kv_cache`` [batch*cap, kv_lora_rank + rope_dim]).
+
+    Args:
+        tokens: the sequence's cached tokens (decode/append: ``context``; prefill: prior+seq),
+            named ``what`` in messages.
+        capacity: shape key ``capacity``; 0 means ``tokens`` rounded up to 32.
+    Returns:
+        cap in tokens: sequence b's row for position t is b*cap + t.
+    Raises:
+        InvalidArgumentError: capacity negative, not a multiple of 32, or below ``tokens``.
+    """
+    if capacity == 0:
+        return -(-tokens // _BLOCK) * _BLOCK
+    if capacity < 0 or capacity % _BLOCK or capacity < tokens:
+        raise InvalidArgumentError(
+            f"shape key capacity={capacity} must be a multiple of 32 and >= {what}={tokens} (0: {what} "
+            "rounded up to 32): the kernels read the cache in 32-token blocks")
+    return capacity
 
 
 def yarn_softmax_scale(qk_head_dim: int = 192, factor: float = 40.0, mscale_all_dim: float = 1.0) -> float:
@@ -96,9 +139,9 @@ def _scale(shape: dict[str, Any]) -> float:
     return s if s > 0 else 1.0 / math.sqrt(shape["nope_dim"] + shape["rope_dim"])
 
 
-def _check_dims(shape: dict[str, Any], length_key: str) -> None:
+def _check_dims(shape: dict[str, Any], length_key: str | None) -> None:
     """Refuse dimensions the matrix unit's 32-element K blocks cannot take."""
-    for key in ("kv_lora_rank", "rope_dim", "nope_dim", length_key):
+    for key in ("kv_lora_rank", "rope_dim", "nope_dim") + ((length_key,) if length_key else ()):
         if shape[key] % 32:
             raise InvalidArgumentError(
                 f"shape key {key}={shape[key]} must be a multiple of 32: it is a contraction (K) "
@@ -132,15 +175,27 @@ def _softmax_pv(s, vals):
     return jnp.einsum("...qk,...kd->...qd", p, vals) / jnp.sum(p, axis=-1, keepdims=True)
 
 
+def _latent_rows(kv_cache, batch: int, tokens: int, capacity: int, width: int, what: str):
+    """The cache's real rows, float32 [batch, tokens, width], from kv_cache [batch*cap, width]."""
+    cap = latent_cache_capacity(tokens, capacity, what)
+    if np.shape(kv_cache) != (batch * cap, width):
+        raise InvalidArgumentError(
+            f"kv_cache has shape {np.shape(kv_cache)}; batch={batch} sequences of cap={cap} rows of "
+            f"{width} need ({batch * cap}, {width})")
+    return _f32(kv_cache).reshape(batch, cap, width)[:, :tokens]
+
+
 def mla_decode_reference(q, kv_cache, w_kv_b, *, batch: int, context: int, heads: int, rank: int,
-                         rope: int, nope: int, v: int, scale: float):
+                         rope: int, nope: int, v: int, scale: float, capacity: int = 0):
     """Absorbed-form MLA decode in pure JAX; BF16 roundings where the kernel rounds.
 
-    Returns out [batch*heads, v] BF16. q_lat, P and o_lat are rounded to BF16 (matrix-unit
-    operands); products accumulate in FP32.
+    q [batch*heads, nope+rope]; kv_cache [batch*cap, rank+rope] with cap =
+    ``latent_cache_capacity(context, capacity)``: rows b*cap + t for t < context are read, the
+    padding rows never. Returns out [batch*heads, v] BF16. q_lat, P and o_lat are rounded to BF16
+    (matrix-unit operands); products accumulate in FP32.
     """
     qq = _f32(q).reshape(batch, heads, nope + rope)
-    kv = _f32(kv_cache).reshape(batch, context, rank + rope)
+    kv = _latent_rows(kv_cache, batch, context, capacity, rank + rope, "context")
     w_uk, w_uv = _split_w(w_kv_b, heads, nope, v)
     q_lat = _bf16(jnp.einsum("bhn,hnr->bhr", qq[..., :nope], w_uk))
     q_full = jnp.concatenate([q_lat, qq[..., nope:]], axis=-1)  # [B, H, R+P]
@@ -151,16 +206,17 @@ def mla_decode_reference(q, kv_cache, w_kv_b, *, batch: int, context: int, heads
 
 
 def mla_prefill_reference(q, kv_cache, w_kv_b, *, batch: int, seq: int, heads: int, rank: int,
-                          rope: int, nope: int, v: int, scale: float, prior: int = 0):
+                          rope: int, nope: int, v: int, scale: float, prior: int = 0, capacity: int = 0):
     """Naive-form causal MLA prefill in pure JAX: decompress K/V (BF16), then attention.
 
     q [batch*seq*heads, nope+rope] holds the chunk's queries (positions prior..prior+seq-1),
-    kv_cache [batch*(prior+seq), rank+rope] every cached token, the chunk's included.
-    Returns out [batch*seq*heads, v] BF16.
+    kv_cache [batch*cap, rank+rope] every cached token, the chunk's included (cap =
+    ``latent_cache_capacity(prior+seq, capacity)``, rows b*cap + t). Returns out
+    [batch*seq*heads, v] BF16.
     """
     ctx = prior + seq
     qq = _f32(q).reshape(batch, seq, heads, nope + rope).transpose(0, 2, 1, 3)  # [B, H, S, .]
-    kv = _f32(kv_cache).reshape(batch, ctx, rank + rope)
+    kv = _latent_rows(kv_cache, batch, ctx, capacity, rank + rope, "prior+seq")
     w_uk, w_uv = _split_w(w_kv_b, heads, nope, v)
     k_nope = _bf16(jnp.einsum("bsr,hnr->bhsn", kv[..., :rank], w_uk))
     k_pe = jnp.broadcast_to(kv[:, None, :, rank:], (batch, heads, ctx, rope))
@@ -173,15 +229,20 @@ def mla_prefill_reference(q, kv_cache, w_kv_b, *, batch: int, seq: int, heads: i
     return np.asarray(out.reshape(batch * seq * heads, v).astype(jnp.bfloat16))
 
 
-def _inputs(seed: int, q_rows: int, kv_rows: int, heads: int, rank: int, rope: int, nope: int,
-            v: int) -> dict[str, np.ndarray]:
+def _inputs(seed: int, q_rows: int, cache: tuple[int, int, int], heads: int, rank: int, rope: int,
+            nope: int, v: int) -> dict[str, np.ndarray]:
+    """Random inputs; ``cache`` = (batch, tokens, cap): rows b*cap + t, t >= tokens, are padding
+    filled with +-_PAD_GARBAGE, which wrecks the result unless the kernel ignores them."""
     rng = np.random.default_rng(seed)
+    batch, tokens, cap = cache
+    q = rng.standard_normal((q_rows, nope + rope)).astype(_BF16)
+    kv = rng.standard_normal((batch, cap, rank + rope))
     # Weights ~ N(0, 1/rank) so decompressed keys and values are O(1), like a trained layer's.
-    return {
-        "q": rng.standard_normal((q_rows, nope + rope)).astype(_BF16),
-        "kv_cache": rng.standard_normal((kv_rows, rank + rope)).astype(_BF16),
-        "w_kv_b": (rng.standard_normal((heads * (nope + v), rank)) / math.sqrt(rank)).astype(_BF16),
-    }
+    w = (rng.standard_normal((heads * (nope + v), rank)) / math.sqrt(rank)).astype(_BF16)
+    # The padding's own generator: a full cache draws exactly the values it always did.
+    signs = np.random.default_rng([seed, 1]).choice((-1.0, 1.0), size=kv[:, tokens:].shape)
+    kv[:, tokens:] = _PAD_GARBAGE * signs
+    return {"q": q, "kv_cache": kv.reshape(batch * cap, rank + rope).astype(_BF16), "w_kv_b": w}
 
 
 _TOLERANCE = Tolerance(
@@ -200,9 +261,10 @@ class _FlashTile:
     rows: query rows (heads in decode, queries in prefill); cols: keys in this tile.
     state: which of the two softmax states (m, l, o) this tile's query block uses.
     first/last: first/last key tile of its query block. mask: [rows, cols] f32 tile added to
-    the scores (causal diagonal), or None. scores(acc)/pv(acc, p): issue the two matmuls (after
-    whatever waits they need) on the matrix unit. finish(o_f32, l): issue the normalisation on
-    the vector unit (after ``last``).
+    the scores (causal diagonal), or None. pad_cols: the tile's last pad_cols keys are padding
+    (decode's context rounded up to 32): their scores are set to MASK_VALUE. scores(acc)/pv(acc,
+    p): issue the two matmuls (after whatever waits they need) on the matrix unit.
+    finish(o_f32, l): issue the normalisation on the vector unit (after ``last``).
     """
 
     rows: int
@@ -214,6 +276,7 @@ class _FlashTile:
     pv: Any
     finish: Any
     mask: Tile | None = None
+    pad_cols: int = 0
 
 
 class _Flash:
@@ -283,6 +346,9 @@ class _Flash:
         v.scale(s, s, self.scale)
         if t.mask is not None:
             v.add(s, s, t.mask)
+        if t.pad_cols:  # exactly MASK_VALUE whatever the padded rows held (clamp to one value)
+            pad = s.sub(0, n - t.pad_cols, r, t.pad_cols)
+            v.clamp(pad, pad, MASK_VALUE, MASK_VALUE)
         if t.first:
             v.reduce("max", m, s)
         else:  # new running max; alpha = exp(m_old - m_new) rescales what came before
@@ -348,9 +414,12 @@ def _pick_tile(limit: int, length: int, fixed: int, per: int, cap: int, what: st
 
 # --- decode ---------------------------------------------------------------------------------
 def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """Absorbed MLA decode: ``batch`` sequences, one query token each, ``context`` cached tokens."""
-    _check_dims(shape, "context")
+    """Absorbed MLA decode: ``batch`` sequences, one query token each, ``context`` cached tokens
+    (any number >= 1) in a latent cache of ``capacity`` rows per sequence (see the module doc)."""
+    _check_dims(shape, None)
     B, C, H = shape["batch"], shape["context"], shape["q_heads"]
+    cap = latent_cache_capacity(C, shape["capacity"])
+    span = -(-C // _BLOCK) * _BLOCK  # tokens read per sequence: the context's 32-token blocks
     R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
     scale = _scale(shape)
     cores = spec.core.count
@@ -370,15 +439,15 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     acc_fit = (cap_a - acc_fixed) // (2 * H * 4) // 32 * 32  # scores accumulators, double-buffered
     if acc_fit < 32:
         raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
-    T = _pick_tile(min(_MAX_DECODE_TILE, acc_fit), C, sram_fixed, per_sram, cap_s, what,
+    T = _pick_tile(min(_MAX_DECODE_TILE, acc_fit), span, sram_fixed, per_sram, cap_s, what,
                    shape["kv_tile"])
     # Spare scratchpad buys deeper prefetch: a tile's load (set-up + latency + bytes) takes longer
     # than one tile of matrix work, so two buffers would leave the matrix unit waiting.
     nbuf = min(_MAX_DECODE_BUFFERS, 2 + (cap_s - sram_fixed - T * per_sram) // (T * W * 2))
 
-    kb = KernelBuilder(f"mla_decode_b{B}_c{C}_h{H}", chip=spec)
+    kb = KernelBuilder(f"mla_decode_b{B}_c{C}_h{H}" + (f"_cap{cap}" if cap != C else ""), chip=spec)
     q_h = kb.hbm("q", (B * H, N + P), "bf16")
-    kv_h = kb.hbm("kv_cache", (B * C, W), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * cap, W), "bf16")
     w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
     out_h = kb.hbm("out", (B * H, V), "bf16")
 
@@ -454,14 +523,14 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         tiles: list[_FlashTile] = []
         for bl, b in enumerate(bs):
             qbuf = d["qbuf"].sub(bl * H, 0, H, W)
-            starts = list(range(0, C, T))
+            starts = list(range(0, span, T))
             for j, t0 in enumerate(starts):
-                n = min(T, C - t0)
+                n = min(T, span - t0)
                 g = fl.g + len(tiles)
                 buf = d["kv"][g % nbuf].sub(0, 0, n, W)
                 if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
                     core.dma[0].wait(fl.pv_done, g - nbuf + 1)
-                core.dma[0].load(buf, kv_h.sub(b * C + t0, 0, n, W))
+                core.dma[0].load(buf, kv_h.sub(b * cap + t0, 0, n, W))
                 core.dma[0].signal(kv_loaded)
 
                 # The callbacks run inside fl.run below, in this core's iteration; defaults bind
@@ -477,7 +546,9 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                     core.vpu.mul(d["olat"].sub(bl * H, 0, H, R), o, linv)
                     core.vpu.signal(olat_ready)
 
-                tiles.append(_FlashTile(H, n, bl % 2, j == 0, j == len(starts) - 1, scores, pv, finish))
+                last = j == len(starts) - 1
+                tiles.append(_FlashTile(H, n, bl % 2, j == 0, last, scores, pv, finish,
+                                        pad_cols=span - C if last else 0))
         fl.run(tiles)
         used = set()
         for bl, b in enumerate(bs):
@@ -512,18 +583,18 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
 
     def make_inputs(seed: int) -> dict[str, Any]:
-        return _inputs(seed, B * H, B * C, H, R, P, N, V)
+        return _inputs(seed, B * H, (B, C, cap), H, R, P, N, V)
 
     def reference(inputs):
         return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                            batch=B, context=C, **dims)}
+                                            batch=B, context=C, capacity=cap, **dims)}
 
-    cache_bytes = B * C * W * 2
+    cache_bytes = B * span * W * 2  # what the kernel reads: the context's 32-token blocks
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
         outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE,
         notes={"kv_tile": T, "kv_buffers": nbuf, "attention_cores": n_att, "head_cores": n_head,
-               "softmax_scale": scale,
+               "softmax_scale": scale, "cache_capacity": cap, "padded_tokens": span - C,
                "latent_cache_bytes": cache_bytes, "weight_bytes": H * (N + V) * R * 2,
                "q_out_bytes": B * H * (N + P + V) * 2},
     )
@@ -546,10 +617,11 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     if prior < 0 or prior % 32:
         raise InvalidArgumentError(
             f"shape key prior={prior} must be a multiple of 32 and >= 0: the cached tokens are the "
-            "contraction (K) dimension of P @ V, which runs in 32-token blocks (as mla-decode's context)")
+            "contraction (K) dimension of P @ V, which runs in 32-token blocks")
     R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
     scale = _scale(shape)
     W, D, C = R + P, N + P, prior + S  # cache row, q/k head dim, cached tokens after this chunk
+    cap = latent_cache_capacity(C, shape["capacity"], "prior+seq")
     cap_s, cap_a = spec.sram.scratchpad_bytes, spec.sram.accumulator_bytes
     # Per item: K_h and V_h for every cached token and Q_h and out_h for the chunk stay in SRAM;
     # per tile T the latent tiles, the mask and the flash buffers (quadratic in T, so try T from
@@ -575,9 +647,10 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         if not T:
             raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
 
-    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_p{prior}_h{H}", chip=spec)
+    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_p{prior}_h{H}" + (f"_cap{cap}" if cap != C else ""),
+                       chip=spec)
     q_h = kb.hbm("q", (B * S * H, D), "bf16")
-    kv_h = kb.hbm("kv_cache", (B * C, W), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * cap, W), "bf16")
     w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
     mask_h = kb.hbm("causal_mask", (T, T), "f32")
     out_h = kb.hbm("out", (B * S * H, V), "bf16")
@@ -610,14 +683,14 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                 dq.wait(sem["item_mxu_done"], it)
             dq.load(wuk, w_h.sub(h * (N + V), 0, N, R))
             dq.load(wuv, w_h.sub(h * (N + V) + N, 0, V, R))
-            dq.load(ks.sub(0, N, C, P), kv_h.sub(b * C, R, C, P))  # k_pe, shared by all heads
+            dq.load(ks.sub(0, N, C, P), kv_h.sub(b * cap, R, C, P))  # k_pe, shared by all heads
             dq.signal(sem["w"])
             # Decompress K_h (nope part) and V_h tile by tile, prior context and chunk alike.
             for i, (k0, n) in enumerate(ktiles):
                 k = d + i
                 if k >= 2:
                     dq.wait(sem["ckv_used"], k - 1)
-                dq.load(ckv[k % 2].sub(0, 0, n, W), kv_h.sub(b * C + k0, 0, n, W))
+                dq.load(ckv[k % 2].sub(0, 0, n, W), kv_h.sub(b * cap + k0, 0, n, W))
                 dq.signal(sem["ckv"])
             core.mxu.wait(sem["w"], it + 1)
             for i, (k0, n) in enumerate(ktiles):
@@ -682,19 +755,19 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
 
     def make_inputs(seed: int) -> dict[str, Any]:
-        ins = _inputs(seed, B * S * H, B * C, H, R, P, N, V)
+        ins = _inputs(seed, B * S * H, (B, C, cap), H, R, P, N, V)
         ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
         return ins
 
     def reference(inputs):
         return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                             batch=B, seq=S, prior=prior, **dims)}
+                                             batch=B, seq=S, prior=prior, capacity=cap, **dims)}
 
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
         outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
         notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
-               "key_tiles": len(ktiles), "form": "naive (decompressed K/V)"},
+               "cache_capacity": cap, "key_tiles": len(ktiles), "form": "naive (decompressed K/V)"},
     )
 
 
@@ -719,7 +792,10 @@ MLA_DECODE = register(KernelDef(
         "all heads (DeepSeek-R1, Kimi K2.5).",
     shape_keys=(
         ShapeKey("batch", int, 2, "sequences (one query token each)", minimum=1),
-        ShapeKey("context", int, 96, "cached tokens per sequence; multiple of 32", minimum=32),
+        ShapeKey("context", int, 96, "cached tokens per sequence, the new token's included; any >= 1 "
+                 "(the last 32-token block's padding is masked)", minimum=1),
+        ShapeKey("capacity", int, 0, "latent cache rows per sequence (kv_cache [batch*capacity, W]); "
+                 "multiple of 32, >= context; 0: context rounded up to 32", minimum=0),
         *_COMMON,
     ),
     build=build_mla_decode,
@@ -736,6 +812,8 @@ MLA_PREFILL = register(KernelDef(
                  minimum=32),
         ShapeKey("prior", int, 0, "tokens already in each sequence's latent cache before this chunk; "
                  "multiple of 32", minimum=0),
+        ShapeKey("capacity", int, 0, "latent cache rows per sequence (kv_cache [batch*capacity, W]); "
+                 "multiple of 32, >= prior+seq; 0: prior+seq", minimum=0),
         *_COMMON,
     ),
     build=build_mla_prefill,

@@ -62,15 +62,19 @@ def test_matmul_t_is_a_times_b_transposed_bf16_and_mx():
     np.testing.assert_allclose(res.read("outq"), want_q, rtol=1e-5, atol=1e-4)
 
 
-def test_absorbed_reference_equals_naive_mla_in_float64():
-    """The absorbed decode reference is the same function as decompress-then-attend (up to BF16)."""
-    B, C, H, R, P, N, V = 2, 64, 4, 64, 32, 32, 32
+@pytest.mark.parametrize("C, capacity, cap", [(64, 0, 64), (33, 0, 64), (47, 96, 96)])
+def test_absorbed_reference_equals_naive_mla_in_float64(C, capacity, cap):
+    """The absorbed decode reference is the same function as decompress-then-attend (up to BF16)
+    over the first ``context`` rows of each sequence's ``cap`` rows (the rest: +-1e4 padding)."""
+    B, H, R, P, N, V = 2, 4, 64, 32, 32, 32
     inputs = get_kernel("mla-decode").build(
-        {"batch": B, "context": C, "q_heads": H, "kv_lora_rank": R, "rope_dim": P, "nope_dim": N,
-         "v_head_dim": V, "kv_dtype": "bf16", "softmax_scale": 0.0, "kv_tile": 0},
-        __import__("jalapeno_emu.chip", fromlist=["load_preset"]).load_preset("tiny")).make_inputs(3)
+        {"batch": B, "context": C, "capacity": capacity, "q_heads": H, "kv_lora_rank": R, "rope_dim": P,
+         "nope_dim": N, "v_head_dim": V, "kv_dtype": "bf16", "softmax_scale": 0.0, "kv_tile": 0},
+        load_preset("tiny")).make_inputs(3)
     q = np.asarray(inputs["q"], np.float64).reshape(B, H, N + P)
-    kv = np.asarray(inputs["kv_cache"], np.float64).reshape(B, C, R + P)
+    rows = np.asarray(inputs["kv_cache"], np.float64).reshape(B, cap, R + P)
+    assert np.all(np.abs(rows[:, C:]) > 5e3)  # the padding is garbage that would swamp the scores
+    kv = rows[:, :C]
     w = np.asarray(inputs["w_kv_b"], np.float64).reshape(H, N + V, R)
     k = np.concatenate([np.einsum("bcr,hnr->bhcn", kv[..., :R], w[:, :N]),
                         np.broadcast_to(kv[:, None, :, R:], (B, H, C, P))], axis=-1)
@@ -79,7 +83,8 @@ def test_absorbed_reference_equals_naive_mla_in_float64():
     p = np.exp(s - s.max(-1, keepdims=True))
     naive = np.einsum("bhc,bhcv->bhv", p / p.sum(-1, keepdims=True), v).reshape(B * H, V)
     got = mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"], batch=B, context=C,
-                               heads=H, rank=R, rope=P, nope=N, v=V, scale=1 / math.sqrt(N + P))
+                               heads=H, rank=R, rope=P, nope=N, v=V, scale=1 / math.sqrt(N + P),
+                               capacity=capacity)
     np.testing.assert_allclose(np.asarray(got, np.float64), naive, atol=0.02, rtol=0.02)
 
 
@@ -90,10 +95,83 @@ def test_decode_matches_reference_over_tiles_and_sequences():
     assert r.notes["kv_tile"] == 32 and r.summary["time_s"] >= r.summary["lower_bound_s"]
 
 
+def _kv_rows_loaded(program, row_bytes):
+    """Sorted list of the kv_cache rows the program's DMA loads read (each row once per load)."""
+    cache = program.allocation("kv_cache")
+    rows = []
+    for ins in program.instructions:
+        if ins.mnemonic == "dma.load" and cache.offset <= ins.arg("src").offset < cache.end:
+            src = ins.arg("src")
+            first, every = (src.offset - cache.offset) // row_bytes, src.stride // row_bytes
+            rows += [first + i * every for i in range(src.rows)]
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("shape, cap, pad", [
+    ({"batch": 3, "context": 33, "q_heads": 4, "kv_tile": 32}, 64, 31),  # 2 tiles, 31 padded keys
+    ({"batch": 3, "context": 47, "q_heads": 4}, 64, 17),  # one 64-key tile, 17 padded
+    ({"batch": 3, "context": 64, "q_heads": 4, "kv_tile": 32, "capacity": 96}, 96, 0),  # rows 64..95 unread
+])
+def test_decode_at_any_context_ignores_the_padding_rows(shape, cap, pad):
+    """Sequence b's rows start at b*cap; the rows past the context hold +-1e4 (large enough that
+    attending to them would wreck the output, as the reference over the padded span shows); the
+    kernel reads the context's 32-token blocks, masks the padded positions and matches the
+    reference over the real rows (3 sequences on 2 cores: a core masks two sequences)."""
+    r = run_kernel("mla-decode", shape, check=True)
+    assert r.check["passed"], r.check
+    B, C, H, W = 3, shape["context"], 4, 64 + 32
+    span = C + pad
+    assert r.notes["cache_capacity"] == cap and r.notes["padded_tokens"] == pad
+    prog = r.build.program
+    assert dict(dict(prog.meta)["tensors"])["kv_cache"][1] == (B * cap, W)
+    assert _kv_rows_loaded(prog, W * 2) == [b * cap + t for b in range(B) for t in range(span)]
+    clamps = [i for i in prog.instructions if i.mnemonic == "vec.clamp"]
+    assert len(clamps) == (B if pad else 0) and all(i.arg("dst").cols == pad for i in clamps)
+    inputs = r.build.make_inputs(0)
+    kv = np.asarray(inputs["kv_cache"], np.float32).reshape(B, cap, W)
+    assert np.all(np.abs(kv[:, C:]) > 5e3)
+    if pad:
+        got = np.asarray(run_functional(prog, inputs).read("out", "bf16", (B * H, 32)), np.float32)
+        dims = dict(batch=B, context=span, capacity=cap, heads=H, rank=64, rope=32, nope=32, v=32,
+                    scale=r.notes["softmax_scale"])
+        unmasked = mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"], **dims)
+        assert np.max(np.abs(got - np.asarray(unmasked, np.float32))) > 100
+
+
+def test_decode_padding_only_adds_the_masking():
+    """Context 63 reads the blocks of context 64: its program is 64's plus one vec.clamp per
+    sequence (the padded scores set to -1e30), and a capacity equal to the rounded context is
+    the default program itself."""
+    kdef, spec = get_kernel("mla-decode"), load_preset("tiny")
+
+    def ops(shape):
+        program = kdef.build(kdef.shape(shape), spec).program
+        return [(i.mnemonic, i.engine, i.args) for i in program.instructions]
+
+    full, padded = ops({"batch": 3, "context": 64}), ops({"batch": 3, "context": 63})
+    assert [op for op in padded if op[0] != "vec.clamp"] == full
+    clamps = [dict(op[2]) for op in padded if op[0] == "vec.clamp"]
+    assert len(clamps) == 3 and all(c["lo"] == c["hi"] == -1e30 and c["dst"].cols == 1 for c in clamps)
+    assert ops({"batch": 3, "context": 64, "capacity": 64}) == full
+
+
+def test_decode_full_size_padded_context_costs_its_blocks():
+    """DeepSeek-R1, batch 64 on jalapeno-v1 (timing only): context 8161 in a 16384-row capacity
+    reads the 8192 rows of context 8192, in the same time, plus one vector instruction per
+    sequence."""
+    full, padded = (run_kernel("mla-decode", {"batch": 64, "context": c, "capacity": cap, **DEEPSEEK},
+                               preset="jalapeno-v1", safety_checks=False).summary
+                    for c, cap in ((8192, 0), (8161, 16384)))
+    assert padded["hbm_bytes"] == full["hbm_bytes"]
+    assert padded["instructions"] == full["instructions"] + 64
+    assert padded["time_s"] == pytest.approx(full["time_s"], rel=1e-3)
+
+
 @pytest.mark.parametrize("shape", [
     {"batch": 2, "seq": 96, "q_heads": 3, "kv_tile": 32, "softmax_scale": yarn_softmax_scale(64)},
     {"prior": 64},  # one query tile over a prior tile and its diagonal
     {"batch": 2, "seq": 64, "prior": 96, "q_heads": 3, "kv_tile": 32},  # 3 prior tiles, 2 query tiles
+    {"batch": 2, "seq": 32, "prior": 32, "q_heads": 3, "capacity": 96},  # rows 64..95 of each: +-1e4
 ])
 def test_prefill_matches_reference_causal_over_tiles(shape):
     r = run_kernel("mla-prefill", shape, check=True)
@@ -145,9 +223,20 @@ def test_chunked_prefill_equals_one_prefill():
 
 
 def test_impossible_shapes_are_refused_before_building():
-    for key, value in (("kv_lora_rank", 48), ("rope_dim", 48), ("nope_dim", 40), ("context", 100)):
+    for key, value in (("kv_lora_rank", 48), ("rope_dim", 48), ("nope_dim", 40)):
         with pytest.raises(InvalidArgumentError, match=f"{key}={value} must be a multiple of 32"):
             run_kernel("mla-decode", {key: value})
+    with pytest.raises(InvalidArgumentError, match="context=0 must be >= 1"):
+        run_kernel("mla-decode", {"context": 0})
+    with pytest.raises(InvalidArgumentError, match="capacity=80 must be a multiple of 32 and >= context=70"):
+        run_kernel("mla-decode", {"context": 70, "capacity": 80})
+    with pytest.raises(InvalidArgumentError, match="capacity=64 must be a multiple of 32 and >= context=70"):
+        run_kernel("mla-decode", {"context": 70, "capacity": 64})
+    with pytest.raises(InvalidArgumentError, match=r"capacity=64 must be .* >= prior\+seq=96"):
+        run_kernel("mla-prefill", {"seq": 64, "prior": 32, "capacity": 64})
+    with pytest.raises(InvalidArgumentError, match=r"kv_cache has shape \(130, 96\)"):  # context 65: cap 96
+        mla_decode_reference(np.zeros((16, 64)), np.zeros((130, 96)), np.zeros((512, 64)), batch=2,
+                             context=65, heads=8, rank=64, rope=32, nope=32, v=32, scale=1.0)
     with pytest.raises(InvalidArgumentError, match="seq=70 must be a multiple of 32"):
         run_kernel("mla-prefill", {"seq": 70})
     with pytest.raises(InvalidArgumentError, match="tiling cannot hold"):  # DeepSeek on the tiny chip

@@ -61,7 +61,7 @@ flight (loads in flight share HBM fairly, so fewer of them land the first item's
 sooner); the matrix unit runs gate|up of item i+1 while the vector unit computes item i's
 activation. The slice width is chosen from a small cost model (bytes over the core's share of
 HBM vs matrix-unit steps vs vector work, per item, times items on the busiest core, plus the
-pipeline fill), penalised beyond 32 items per core to keep the program small; ``slice=N``
+pipeline fill), penalised beyond 64 items per core to keep the program small; ``slice=N``
 overrides it. Two scratchpad regions are reused over time (x/router panel, then the reduction
 buffers; weight buffers, then the partial), so one core holds DeepSeek's 64-token step. The ISA
 has no immediate fill: the constants the kernel needs (ones, zeros, 1e-20, id sequences) are
@@ -154,7 +154,7 @@ _SRAM_SHARE = 0.95  # leave a little scratchpad spare
 # Items per core beyond which the slice choice is penalised (estimate x (1 + excess / this)): the
 # program, and the checker's work, which grows faster than linearly with it, stay small enough to
 # build, check and time a full-size layer in seconds to tens of seconds.
-_MAX_ITEMS_PER_CORE = 32
+_MAX_ITEMS_PER_CORE = 64
 _REDUCE_GROUP = 16  # partials pulled per round of the cross-core reduction (bounds its buffer)
 # Weight loads in flight per core: two keep the DMA latency hidden, and the first item's weights
 # land after two chunks' share of HBM instead of nbuf (loads in flight share bandwidth fairly).

@@ -82,7 +82,9 @@ D x the bytes of one expert (``notes["expert_bytes"]``), plus x, the router and 
 Inputs (HBM): ``x`` [T, H] bf16; ``router`` [R*H, E/R] bf16 (R column panels,
 ``moe_pack.router_panels``); ``router_bias`` [1, E] bf16 (softmax_topk); ``score_bias`` [1, E]
 f32 (score_bias); ``experts`` [E, expert_bytes] and ``shared`` [S, expert_bytes] u8 (the packed
-tables, ``pack_experts``). Outputs: ``y`` [T, H] bf16, ``expert_ids`` [D, 1] i32.
+tables, ``pack_experts``, whose layout depends on the plan). Outputs: ``y`` [T, H] bf16 and,
+for grouping=dense, ``expert_ids`` [D, 1] i32. The gather program's other HBM tensors (``xq``,
+``list_ids``, ``list_weights``, ``routed_out``, ``shared_out``) are scratch it writes itself.
 
 Numerics (the reference does the same operations in the same order, see ``moe_reference``):
 router as BF16 x BF16 on the matrix unit (exact products, 32-element blocks summed in order);

@@ -19,12 +19,15 @@ agree bit for bit::
     t1 = x2 * cos;  t2 = x1 * sin;  k[D/2:] = bf16(t1 + t2)
 
 ``mla-append`` (MLA latent cache, DeepSeek-V3/R1, Kimi K2.5) rotates the rope part of the query
-(``q_rot``; the nope part is copied unchanged) and writes row ``b*context + context - 1`` of
-``kv_cache`` = [c_kv | rope(k_pe)], ``mla-decode``'s layout. With ``tokens`` > 1 it appends a
-prefill chunk (what ``mla-prefill`` with ``prior`` = context - tokens reads): the new tokens
-sit at positions context-tokens .. context-1, q rows ``(b*tokens + t)*q_heads + h`` and kv_a
-rows ``b*tokens + t`` rotate at position context-tokens+t (row t of the [tokens, rope/2]
-tables) and land in cache rows ``b*context + context-tokens+t``. The RoPE is DeepSeek-V3's
+(``q_rot``; the nope part is copied unchanged) and writes row ``b*cap + context - 1`` of
+``kv_cache`` [batch*cap, kv_lora_rank + rope] = [c_kv | rope(k_pe)], ``mla-decode``'s layout:
+``cap`` = shape key ``capacity``, or context rounded up to 32 when that is 0
+(``mla.latent_cache_capacity``), so that an append at context c and mla-decode at context c
+(same ``capacity``) share one buffer. With ``tokens`` > 1 it appends a prefill chunk (what
+``mla-prefill`` with ``prior`` = context - tokens reads, with the same ``capacity``): the new
+tokens sit at positions context-tokens .. context-1, q rows ``(b*tokens + t)*q_heads + h`` and
+kv_a rows ``b*tokens + t`` rotate at position context-tokens+t (row t of the [tokens, rope/2]
+tables) and land in cache rows ``b*cap + context-tokens+t``. The RoPE is DeepSeek-V3's
 (``apply_rotary_pos_emb`` of HF ``modeling_deepseek``): the rope dims are de-interleaved (pair
 (x[2i], x[2i+1]) -> x1[i] = x[2i], x2[i] = x[2i+1]), then rotated with rotate-half as above and
 stored in that de-interleaved order, for q and k alike (so scores q.k are those of the interleaved
@@ -81,6 +84,7 @@ from jalapeno_emu.isa.table import DTYPES
 
 from .attention_ref import yarn_cos_sin
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .mla import latent_cache_capacity
 from .registry import register
 
 __all__ = [
@@ -243,13 +247,14 @@ def kv_append_fp8_reference(k_new, v_new, rope_cos, rope_sin, caches: Mapping[st
 
 def mla_append_reference(q, kv_a, rope_cos, rope_sin, kv_cache, *, batch: int, context: int, q_heads: int,
                          nope_dim: int, rope_dim: int, kv_lora_rank: int,
-                         tokens: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                         tokens: int = 1, capacity: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(q_rot, kv_cache) after ``mla-append``, BF16 arrays of the inputs' shapes.
 
     With ``tokens`` new tokens per sequence at positions p = context-tokens+t (t < tokens) and
     ``rope_cos``/``rope_sin`` [tokens, rope_dim/2] (row t: position p), rope = ``rope_deinterleaved``:
     q_rot[r] = [q_nope[r] | rope(q_pe[r], row t)] for every row r = (b*tokens + t)*q_heads + h;
-    kv_cache[b*context + p] = [c_kv[g] | rope(k_pe[g], row t)] for kv_a row g = b*tokens + t.
+    kv_cache [batch*cap, kv_lora_rank + rope_dim] (cap = ``latent_cache_capacity(context,
+    capacity)``): row b*cap + p = [c_kv[g] | rope(k_pe[g], row t)] for kv_a row g = b*tokens + t.
     """
     n, r, t = nope_dim, kv_lora_rank, tokens
     cos = np.asarray(rope_cos, np.float32).reshape(t, -1)
@@ -259,8 +264,12 @@ def mla_append_reference(q, kv_a, rope_cos, rope_sin, kv_cache, *, batch: int, c
     q_rot = np.concatenate([qq[..., :n], q_pe], axis=-1).astype(_BF16).reshape(batch * t * q_heads, -1)
     kv = np.asarray(kv_a, np.float32).reshape(batch, t, r + rope_dim)
     rows = np.concatenate([kv[..., :r], rope_deinterleaved(kv[..., r:], cos[None], sin[None])], axis=-1)
-    cache = np.array(kv_cache, dtype=_BF16, copy=True).reshape(batch, context, r + rope_dim)
-    cache[:, context - t:] = rows.astype(_BF16)
+    cap = latent_cache_capacity(context, capacity)
+    if np.shape(kv_cache) != (batch * cap, r + rope_dim):
+        raise InvalidArgumentError(f"kv_cache has shape {np.shape(kv_cache)}; batch={batch} sequences of "
+                                   f"cap={cap} rows need ({batch * cap}, {r + rope_dim})")
+    cache = np.array(kv_cache, dtype=_BF16, copy=True).reshape(batch, cap, r + rope_dim)
+    cache[:, context - t:context] = rows.astype(_BF16)
     return q_rot, cache.reshape(np.shape(kv_cache))
 
 
@@ -660,13 +669,15 @@ KV_APPEND = register(KernelDef(
 
 
 # --- mla-append ---------------------------------------------------------------------------------
-def _check_mla(shape: dict[str, Any]) -> None:
+def _check_mla(shape: dict[str, Any]) -> int:
+    """Refuse impossible mla-append shapes; the cache capacity (rows per sequence) otherwise."""
     p, t, c = shape["rope_dim"], shape["tokens"], shape["context"]
     if p % 2:
         raise InvalidArgumentError(f"shape key rope_dim={p} must be even: RoPE rotates pairs of dims")
     if t > c:
         raise InvalidArgumentError(f"shape key tokens={t} must be <= context={c}: the new tokens sit at "
                                    "positions context-tokens .. context-1 of each sequence")
+    return latent_cache_capacity(c, shape["capacity"])
 
 
 @dataclass(frozen=True)
@@ -778,10 +789,11 @@ def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int], parts: list[tu
         _deinterleave_rotate(core.vpu, out, packed, x1, x2, cos, sin, t1, t2, segments)
 
 
-def _cache_stores(cache: Tile, rows: Tile, g0: int, tokens: int, context: int) -> list[tuple[Tile, Tile]]:
+def _cache_stores(cache: Tile, rows: Tile, g0: int, tokens: int, context: int,
+                  cap: int) -> list[tuple[Tile, Tile]]:
     """(HBM dst, SRAM src) stores of latent rows g0 .. g0 + rows.rows (``rows`` packed [n, W], row
-    g = b*tokens + t) to cache rows b*context + context - tokens + t: a run of whole sequences
-    as one strided DMA of [sequences, tokens*W] (one new row per sequence: every context-th
+    g = b*tokens + t) to cache rows b*cap + context - tokens + t: a run of whole sequences
+    as one strided DMA of [sequences, tokens*W] (one new row per sequence: every cap-th
     row), a partial sequence at either end as one contiguous DMA."""
     out = []
     g, g1, w, rb = g0, g0 + rows.rows, rows.cols, cache.stride
@@ -789,13 +801,13 @@ def _cache_stores(cache: Tile, rows: Tile, g0: int, tokens: int, context: int) -
         b, t = divmod(g, tokens)
         if t == 0 and g1 - g >= tokens:
             k = (g1 - g) // tokens
-            first = cache.offset + (b * context + context - tokens) * rb
-            dst = Tile(cache.space, cache.core, first, cache.dtype, k, tokens * w, context * rb)
+            first = cache.offset + (b * cap + context - tokens) * rb
+            dst = Tile(cache.space, cache.core, first, cache.dtype, k, tokens * w, cap * rb)
             out.append((dst, _packed(rows, k, tokens * w, byte_off=(g - g0) * rows.stride)))
             g += k * tokens
         else:
             n = min(g1, (b + 1) * tokens) - g
-            out.append((cache.sub(b * context + context - tokens + t, 0, n, w), rows.sub(g - g0, 0, n, w)))
+            out.append((cache.sub(b * cap + context - tokens + t, 0, n, w), rows.sub(g - g0, 0, n, w)))
             g += n
     return out
 
@@ -807,8 +819,9 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     step; more: a prefill chunk). Inputs (HBM): q [batch*tokens*q_heads, nope+rope] BF16 (row
     (b*tokens + t)*q_heads + h), kv_a [batch*tokens, kv_lora_rank + rope] BF16 (row b*tokens + t),
     rope_cos / rope_sin [tokens, rope/2] F32 (row t: position context-tokens+t), kv_cache
-    [batch*context, kv_lora_rank + rope] BF16. Outputs: q_rot (q's layout) and kv_cache with rows
-    b*context + context-tokens+t written, every other byte as it was.
+    [batch*cap, kv_lora_rank + rope] BF16 (cap: ``capacity``, or context rounded up to 32).
+    Outputs: q_rot (q's layout) and kv_cache with rows b*cap + context-tokens+t written, every
+    other byte as it was.
 
     Query rows and latent rows are split over the cores in contiguous blocks (a core's tokens
     are then mostly the same for both); each core loads the RoPE table rows of its tokens once
@@ -816,7 +829,7 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     instructions per token of query rows ([q_heads, P/2] blocks with a broadcast table row) and
     six per sequence run of latent rows (the run's table rows, one per row).
     """
-    _check_mla(shape)
+    cap = _check_mla(shape)
     B, C, T, H = shape["batch"], shape["context"], shape["tokens"], shape["q_heads"]
     N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
     h, wq, wk = P // 2, N + P, R + P
@@ -846,11 +859,12 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         n_jobs = max(n_jobs, 2)
     nq_job, nk_job = -(-q_per // n_jobs), -(-kv_per // n_jobs)
 
-    kb = KernelBuilder(f"mla_append_b{B}_c{C}_h{H}" + (f"_t{T}" if T > 1 else ""), chip=spec)
+    kb = KernelBuilder(f"mla_append_b{B}_c{C}_h{H}" + (f"_t{T}" if T > 1 else "")
+                       + (f"_cap{cap}" if cap != C else ""), chip=spec)
     q_h = kb.hbm("q", (B * T * H, wq), "bf16")
     kva_h = kb.hbm("kv_a", (B * T, wk), "bf16")
     cos_h, sin_h = kb.hbm("rope_cos", (T, h), "f32"), kb.hbm("rope_sin", (T, h), "f32")
-    cache_h = kb.hbm("kv_cache", (B * C, wk), "bf16")
+    cache_h = kb.hbm("kv_cache", (B * cap, wk), "bf16")
     qrot_h = kb.hbm("q_rot", (B * T * H, wq), "bf16")
     vector_instructions = 0
     for c in range(n_cores):
@@ -880,11 +894,11 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                     job.stores.append((qrot_h.sub(r0, N, n, P), qb.sub(0, N, n, P)))
                 parts.append((qb.sub(0, N, n, P), pe.sub(0, 0, n, P), _rope_segments(r0, r1, H, win)))
             b0, b1 = k_lo + j * nk_job, min(k_hi, k_lo + (j + 1) * nk_job)
-            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*C + C-T+t of the cache
+            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*cap + C-T+t of the cache
                 n, row, pe = b1 - b0, buf["kv"][s], buf["kpe"][s]
                 job.loads += [(row.sub(0, 0, n, R), kva_h.sub(b0, 0, n, R)),
                               (pe.sub(0, 0, n, P), kva_h.sub(b0, R, n, P))]
-                job.stores += _cache_stores(cache_h, row.sub(0, 0, n, wk), b0, T, C)
+                job.stores += _cache_stores(cache_h, row.sub(0, 0, n, wk), b0, T, C, cap)
                 parts.append((row.sub(0, R, n, P), pe.sub(0, 0, n, P), _rope_segments(b0, b1, 1, win)))
             if parts:
                 vector_instructions += sum(2 + 6 * len(segs) for _, _, segs in parts)
@@ -893,7 +907,7 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         _emit_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs)
 
     dims = {"batch": B, "context": C, "tokens": T, "q_heads": H, "nope_dim": N, "rope_dim": P,
-            "kv_lora_rank": R}
+            "kv_lora_rank": R, "capacity": cap}
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -901,7 +915,7 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         return {"q": rng.standard_normal((B * T * H, wq)).astype(_BF16),
                 "kv_a": rng.standard_normal((B * T, wk)).astype(_BF16),
                 "rope_cos": cos_t[C - T:C], "rope_sin": sin_t[C - T:C],
-                "kv_cache": rng.standard_normal((B * C, wk)).astype(_BF16)}
+                "kv_cache": rng.standard_normal((B * cap, wk)).astype(_BF16)}
 
     def reference(inputs):
         q_rot, cache = mla_append_reference(inputs["q"], inputs["kv_a"], inputs["rope_cos"],
@@ -910,10 +924,10 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
 
     return KernelBuild(
         program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"q_rot": ("bf16", (B * T * H, wq)), "kv_cache": ("bf16", (B * C, wk))},
+        outputs={"q_rot": ("bf16", (B * T * H, wq)), "kv_cache": ("bf16", (B * cap, wk))},
         tolerance=_EXACT,
         notes={"cores": len(q_blocks), "q_rows_per_core": q_per, "cache_rows_per_core": kv_per,
-               "jobs_per_core": n_jobs, "tokens": T, "rope_table_rows": table_rows,
+               "jobs_per_core": n_jobs, "tokens": T, "rope_table_rows": table_rows, "cache_capacity": cap,
                "vector_instructions": vector_instructions,
                "bytes_written": (B * T * H * wq + B * T * wk) * 2},
     )
@@ -930,6 +944,9 @@ MLA_APPEND = register(KernelDef(
                  "context-1) included", minimum=1),
         ShapeKey("tokens", int, 1, "new tokens per sequence (1: decode; a prefill chunk: its seq); "
                  "<= context", minimum=1),
+        ShapeKey("capacity", int, 0, "latent cache rows per sequence (kv_cache [batch*capacity, W], "
+                 "row b*capacity + position); multiple of 32, >= context; 0: context rounded up to 32",
+                 minimum=0),
         ShapeKey("q_heads", int, 8, "query heads (DeepSeek-R1: 128, Kimi K2.5: 64)", minimum=1),
         ShapeKey("nope_dim", int, 32, "per-head non-rope q width (qk_nope_head_dim, 128)", minimum=1),
         ShapeKey("rope_dim", int, 32, "rope width of q and k_pe (qk_rope_head_dim, 64); even", minimum=2),

@@ -194,6 +194,8 @@ def test_kv_append_fp8_then_attention_decode():
     # a chunk of 3 at positions 4..6; a core's rows cross a sequence and a job boundary mid-token
     {"batch": 3, "tokens": 3, "q_heads": 5, "context": 7, "nope_dim": 16, "rope_dim": 6, "kv_lora_rank": 40},
     {"tokens": 32, "context": 40},  # a core per sequence: 32 positions, 32 query blocks each
+    {"batch": 3, "context": 33, "q_heads": 4},  # row 32 of each sequence's 64 (mla-decode's cap)
+    {"batch": 3, "tokens": 5, "context": 40, "capacity": 96, "q_heads": 2},  # rows 35..39 of 96
 ])
 def test_mla_append_is_bit_exact_on_every_byte(shape):
     r = run_kernel("mla-append", shape, check=True)
@@ -230,16 +232,18 @@ def _vector_count(program, core):
 def test_mla_append_one_token_is_the_decode_program():
     """tokens=1 (the default): per core and job, one de-interleave pair and one rotation for all
     query rows and one for all latent rows (one position), the latent rows stored with one DMA
-    every context-th row, whole query rows stored after the rotation."""
+    every cap-th row (context 50: cap 64), whole query rows stored after the rotation."""
     shape = {"batch": 3, "context": 50, "q_heads": 4}
     full, b = _build("mla-append", shape)
-    assert full["tokens"] == 1 and b.program.name == "mla_append_b3_c50_h4"
+    assert full["tokens"] == 1 and b.program.name == "mla_append_b3_c50_h4_cap64"
     assert b.notes["jobs_per_core"] == 1 and b.notes["rope_table_rows"] == 1
     assert [_vector_count(b.program, c) for c in range(2)] == [2 * (2 + 6)] * 2
     stores = [i.arg("dst") for i in b.program.instructions if i.mnemonic == "dma.store"]
     wk, wq = 64 + 32, 32 + 32
     cache_stores = [t for t in stores if t.cols == wk]
-    assert [(t.rows, t.stride) for t in cache_stores] == [(2, 50 * wk * 2), (1, 50 * wk * 2)]
+    assert [(t.rows, t.stride) for t in cache_stores] == [(2, 64 * wk * 2), (1, 64 * wk * 2)]
+    cache = b.program.allocation("kv_cache")
+    assert [(t.offset - cache.offset) // (wk * 2) for t in cache_stores] == [49, 2 * 64 + 49]
     assert [(t.rows, t.cols) for t in stores if t.cols != wk] == [(6, wq), (6, wq)]
     # The full-size decode step: 64 cores x 32 instructions (4 for the tables, 28 for the job).
     dec = run_kernel("mla-append", dict(batch=64, context=8192, q_heads=128, nope_dim=128, rope_dim=64,
@@ -310,6 +314,97 @@ def test_mla_append_then_mla_decode():
                                            scale=1 / math.sqrt(64)), np.float64)
     tol = dec.tolerance
     assert np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want))
+
+
+def _within(got, want, tol):
+    """Every element of ``got`` within the kernel tolerance ``tol`` of ``want``."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return bool(np.all(np.abs(got - want) <= tol.atol + tol.rtol * np.abs(want)))
+
+
+def _naive_decode(q, rows, w_kv_b, heads, nope, v, scale):
+    """Decompress-then-attend in float64 over ``rows`` [B, context, R+P] (the real rows only)."""
+    q, rows, w = (np.asarray(x, np.float64) for x in (q, rows, w_kv_b))
+    b, _, width = rows.shape
+    rank = w.shape[1]
+    w = w.reshape(heads, nope + v, rank)
+    k_pe = np.broadcast_to(rows[:, None, :, rank:], (b, heads, rows.shape[1], width - rank))
+    k = np.concatenate([np.einsum("bcr,hnr->bhcn", rows[..., :rank], w[:, :nope]), k_pe], -1)
+    s = np.einsum("bhd,bhcd->bhc", q.reshape(b, heads, -1), k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    vals = np.einsum("bcr,hvr->bhcv", rows[..., :rank], w[:, nope:])
+    return np.einsum("bhc,bhcv->bhv", p / p.sum(-1, keepdims=True), vals).reshape(b * heads, v)
+
+
+def test_mla_append_at_33_then_mla_decode_at_33():
+    """Context 33 (not a multiple of 32): with the default capacity both kernels use 64 rows per
+    sequence; mla-append writes row b*64 + 32 and leaves every other byte, the padding rows 33..63
+    (+-1e4 garbage) included; mla-decode at 33 reads what it wrote and ignores the padding."""
+    B, H = 3, 4
+    dims = {"batch": B, "context": 33, "q_heads": H, "nope_dim": 32, "rope_dim": 32, "kv_lora_rank": 64}
+    dshape, dec = _build("mla-decode", dims)
+    _, app = _build("mla-append", dims)
+    assert dec.notes["cache_capacity"] == app.notes["cache_capacity"] == 64
+    din, ins = dec.make_inputs(2), app.make_inputs(3)
+    ins["kv_cache"] = din["kv_cache"]
+    out = _run(app, ins)
+    before = np.asarray(din["kv_cache"]).reshape(B, 64, 96)
+    after = np.asarray(out["kv_cache"]).reshape(B, 64, 96)
+    kv_a = np.asarray(ins["kv_a"], np.float32)
+    rotated = rope_deinterleaved(kv_a[:, 64:], ins["rope_cos"], ins["rope_sin"])
+    np.testing.assert_array_equal(_bits(after[:, 32]), _bits(np.concatenate([kv_a[:, :64], rotated], -1)))
+    np.testing.assert_array_equal(_bits(np.delete(after, 32, 1)), _bits(np.delete(before, 32, 1)))
+    assert np.all(np.abs(after[:, 33:].astype(np.float32)) > 5e3)  # the padding is still garbage
+    din.update(q=out["q_rot"], kv_cache=out["kv_cache"])
+    got = _run(dec, din)["out"]
+    scale = dec.notes["softmax_scale"]
+    ref = dict(batch=B, context=33, heads=H, rank=64, rope=32, nope=32, v=dshape["v_head_dim"], scale=scale)
+    assert _within(got, mla_decode_reference(din["q"], din["kv_cache"], din["w_kv_b"], **ref), dec.tolerance)
+    naive = _naive_decode(din["q"], after[:, :33], din["w_kv_b"], H, 32, dshape["v_head_dim"], scale)
+    np.testing.assert_allclose(np.asarray(got, np.float64), naive, atol=0.02, rtol=0.02)
+
+
+def test_mla_prefill_append_decode_chain_in_one_padded_cache():
+    """One latent cache of capacity 64 per sequence, +-1e4 garbage wherever nothing was written:
+    mla-append of a 32-token chunk, mla-prefill (prior 0, seq 32) on it, then mla-append at
+    context 33, mla-decode at 33, mla-append at 34, mla-decode at 34. Each append writes exactly
+    its rows, bit for bit the independently rotated ones; prefill and the decodes match their
+    references within tolerance and decompress-then-attend in float64 over the real rows."""
+    B, H, R, P, N, V, CAP = 2, 2, 64, 32, 32, 32, 64
+    dims = {"batch": B, "q_heads": H, "nope_dim": N, "rope_dim": P, "kv_lora_rank": R, "capacity": CAP}
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((B, 34, H, N + P)).astype(BF16)  # the queries of positions 0..33
+    kv_a = rng.standard_normal((B, 34, R + P)).astype(BF16)
+    w = (rng.standard_normal((H * (N + V), R)) / math.sqrt(R)).astype(BF16)
+    cos, sin = deepseek_yarn_cos_sin(34, P)
+    want_rows = np.concatenate([kv_a[..., :R].astype(np.float32),
+                                rope_deinterleaved(kv_a[..., R:], cos[None], sin[None])], -1).astype(BF16)
+    want_q = np.concatenate([q[..., :N].astype(np.float32),
+                             rope_deinterleaved(q[..., N:], cos[None, :, None], sin[None, :, None])], axis=-1)
+    cache = (1e4 * rng.choice((-1.0, 1.0), size=(B, CAP, R + P))).astype(BF16)
+    ref = dict(batch=B, heads=H, rank=R, rope=P, nope=N, v=V, capacity=CAP)
+    for ctx, new in ((32, 32), (33, 1), (34, 1)):  # the prefill chunk, then two decode steps
+        pos = slice(ctx - new, ctx)
+        q_rot, filled = _append_chunk(q[:, pos].reshape(B * new * H, -1), kv_a[:, pos].reshape(B * new, -1),
+                                      cache.reshape(B * CAP, -1), context=ctx, tokens=new, dims=dims)
+        filled = filled.reshape(B, CAP, -1)
+        np.testing.assert_array_equal(_bits(filled[:, pos]), _bits(want_rows[:, pos]))
+        np.testing.assert_array_equal(_bits(np.delete(filled, pos, 1)), _bits(np.delete(cache, pos, 1)))
+        np.testing.assert_array_equal(_bits(q_rot), _bits(want_q[:, pos].reshape(B * new * H, -1)))
+        cache = filled
+        kind, keys = ("mla-prefill", {"seq": new}) if new > 1 else ("mla-decode", {"context": ctx})
+        _, att = _build(kind, {**dims, **keys})
+        ins = dict(att.make_inputs(0), q=q_rot, kv_cache=cache.reshape(B * CAP, -1), w_kv_b=w)
+        got = _run(att, ins)["out"]
+        scale = att.notes["softmax_scale"]
+        if new > 1:
+            want = mla_prefill_reference(q_rot, ins["kv_cache"], w, seq=new, scale=scale, **ref)
+        else:
+            want = mla_decode_reference(q_rot, ins["kv_cache"], w, context=ctx, scale=scale, **ref)
+            naive = _naive_decode(q_rot, want_rows[:, :ctx], w, H, N, V, scale)
+            np.testing.assert_allclose(np.asarray(got, np.float64), naive, atol=0.02, rtol=0.02)
+        assert _within(got, want, att.tolerance), (kind, ctx)
+    assert np.all(np.abs(cache[:, 34:].astype(np.float32)) > 5e3)  # never written: still garbage
 
 
 def _append_chunk(q, kv_a, cache, *, context, tokens, dims):
@@ -414,6 +509,8 @@ def test_kv_append_reference_matches_gpt_oss_rope_table_rows():
     ("mla-append", {"kv_lora_rank": 200_000}, "kv_lora_rank=200000"),
     ("mla-append", {"tokens": 0}, "tokens=0"),
     ("mla-append", {"tokens": 97}, "tokens=97"),  # more new tokens than the context holds
+    ("mla-append", {"context": 40, "capacity": 48}, "capacity=48 must be a multiple of 32"),
+    ("mla-append", {"context": 40, "capacity": 32}, "capacity=32 must be a multiple of 32 and >= context=40"),
     # 2048 tokens per core: their RoPE table rows alone fill tiny's scratchpad
     ("mla-append", {"batch": 1, "q_heads": 1, "tokens": 4096, "context": 4096}, "tokens=4096"),
 ])

@@ -21,7 +21,6 @@ layer; ``model.die`` documents the tolerance that covers it.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -261,14 +260,21 @@ def route(cfg: ModelConfig, p: dict, y: jax.Array) -> jax.Array:
 
 
 def _experts_sum(cfg: ModelConfig, stacked: dict, xq: mx.MXArray, weights: jax.Array) -> jax.Array:
-    """sum_e weights[:, e] * expert_e(x), experts in index order (one scan: one compiled body)."""
-    def body(acc, item):
-        ex, w = item
-        return acc + _expert(cfg, ex, xq, w[:, None]), None
+    """sum_e weights[:, e] * expert_e(x), experts in index order. Traced (jit): one lax.scan over
+    all experts (one compiled body); eager: a loop over the experts some token chose (an expert
+    with weight 0 everywhere adds exactly 0, so skipping it changes nothing)."""
+    acc = jnp.zeros((weights.shape[0], cfg.hidden), jnp.float32)
+    if isinstance(weights, jax.core.Tracer):
+        def body(total, item):
+            ex, w = item
+            return total + _expert(cfg, ex, xq, w[:, None]), None
 
-    acc0 = jnp.zeros((weights.shape[0], cfg.hidden), jnp.float32)
-    out, _ = jax.lax.scan(body, acc0, (stacked, weights.T))
-    return out
+        out, _ = jax.lax.scan(body, acc, (stacked, weights.T))
+        return out
+    for e in np.flatnonzero(np.asarray(jnp.any(weights != 0, axis=0))).tolist():
+        ex = jax.tree.map(lambda leaf, e=e: leaf[e], stacked)
+        acc = acc + _expert(cfg, ex, xq, weights[:, e:e + 1])
+    return acc
 
 
 def _ffn(cfg: ModelConfig, moe: bool, p: dict, y: jax.Array) -> jax.Array:
@@ -284,7 +290,6 @@ def _ffn(cfg: ModelConfig, moe: bool, p: dict, y: jax.Array) -> jax.Array:
     return _bf16(out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "moe", "batch"))
 def _layer(cfg: ModelConfig, window: int, moe: bool, batch: int, p: dict, cache: tuple, x: jax.Array,
            residual: jax.Array, pos: jax.Array, cos: jax.Array, sin: jax.Array):
     h = _bf16(x + residual)
@@ -297,14 +302,17 @@ def _layer(cfg: ModelConfig, window: int, moe: bool, batch: int, p: dict, cache:
     return _ffn(cfg, moe, p, _rmsnorm(h2, p["ffn_norm"], cfg.rms_eps)), h2, cache
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "batch"))
 def _head(eps: float, batch: int, x: jax.Array, residual: jax.Array, norm: jax.Array, unembed: jax.Array):
     last = _bf16(x + residual).reshape(batch, -1, x.shape[-1])[:, -1]
     return _linear(_rmsnorm(last, norm, eps), unembed)
 
 
+_layer_jit = jax.jit(_layer, static_argnames=("cfg", "window", "moe", "batch"))
+_head_jit = jax.jit(_head, static_argnames=("eps", "batch"))
+
+
 class ReferenceModel:
-    """The reference forward pass with its own KV caches (natural layouts, jitted per layer).
+    """The reference forward pass with its own KV caches (natural layouts).
 
     Args:
         cfg: the model (any size; meant for tiny ones).
@@ -312,10 +320,17 @@ class ReferenceModel:
         batch: sequences (all advance together: every sequence has the same length).
         max_positions: cache capacity in tokens (attention runs over the whole capacity, masked,
             so that one compiled function serves every step).
+        jit: False (default): every operation is dispatched on its own (no fusion across
+            operations), rounded as written, as the die executes instruction by instruction;
+            this is the numerics check. True: each layer is
+            one jitted function, several times faster, but XLA then fuses operations (a multiply
+            feeding an add becomes one fused multiply-add, exp takes its vectorised path inside a
+            fusion), which moves results by an FP32 ulp here and there: the speed baseline.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int) -> None:
-        self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
+                 jit: bool = False) -> None:
+        self.cfg, self.w, self.batch, self.cap, self.jit = cfg, weights, batch, max_positions, jit
         self.length = 0
         self.params = [_params(lw) for lw in weights.layers]
         if cfg.attention == "gqa":
@@ -343,8 +358,10 @@ class ReferenceModel:
         pos = jnp.arange(self.length, self.length + s)
         x = _f32(self.embed[ids.reshape(-1)])
         residual = jnp.zeros_like(x)
+        layer, head = (_layer_jit, _head_jit) if self.jit else (_layer, _head)
         for i in range(cfg.layers):
-            x, residual, self.cache[i] = _layer(cfg, cfg.window(i), cfg.is_moe(i), b, self.params[i],
-                                                self.cache[i], x, residual, pos, self.cos, self.sin)
+            x, residual, self.cache[i] = layer(cfg, cfg.window(i), cfg.is_moe(i), b, self.params[i],
+                                               self.cache[i], x, residual, pos, self.cos, self.sin)
+        logits = head(cfg.rms_eps, b, x, residual, self.final_norm, self.unembed)
         self.length += s
-        return np.asarray(_head(cfg.rms_eps, b, x, residual, self.final_norm, self.unembed))
+        return np.asarray(logits)

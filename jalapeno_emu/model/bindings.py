@@ -131,14 +131,17 @@ def _mla(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dict[str, 
     qa = die.run(launches["q_a_norm"], {"x": np.ascontiguousarray(a[:, :ql]), "w": pk["q_a_norm"]})["y"]
     c = die.run(launches["kv_a_norm"], {"x": np.ascontiguousarray(a[:, ql:ql + r]), "w": pk["kv_a_norm"]})["y"]
     q = die.run(launches["q_b_proj"], {"x": qa, "w": lw.wq_b})["y"].reshape(b * new * h, -1)
-    lat = np.zeros((b, ctx, r + rope), _BF16)
+    # The latent cache is padded to whole 32-token blocks per sequence (rows b*cap + position),
+    # the layout mla-append, mla-decode and mla-prefill share.
+    cap = die.tensor_shape(launches["mla_append"], "kv_cache")[0] // b
+    lat = np.zeros((b, cap, r + rope), _BF16)
     lat[:, :ctx - new] = die.latent[i][:, :ctx - new]
     pos = slice(ctx - new, ctx)
     got = die.run(launches["mla_append"], {"q": q, "kv_a": np.concatenate([c, a[:, -rope:]], axis=1),
                                            "rope_cos": die.cos[pos], "rope_sin": die.sin[pos],
-                                           "kv_cache": lat.reshape(b * ctx, r + rope)})
+                                           "kv_cache": lat.reshape(b * cap, r + rope)})
     cache = got["kv_cache"]
-    die.latent[i][:, ctx - new:ctx] = cache.reshape(b, ctx, r + rope)[:, ctx - new:ctx]
+    die.latent[i][:, ctx - new:ctx] = cache.reshape(b, cap, r + rope)[:, ctx - new:ctx]
     out = die.run(launches["attention"], {"q": got["q_rot"], "kv_cache": cache, "w_kv_b": lw.w_kv_b})["out"]
     return die.run(launches["o_proj"], {"x": out.reshape(b * new, -1), "w": lw.wo})["y"]
 

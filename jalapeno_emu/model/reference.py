@@ -202,12 +202,20 @@ def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
     q_pe = _bf16(_rotate_half(_deinterleave(q[..., nope:]), c[None, :, None], sn[None, :, None]))
     lat = jax.lax.dynamic_update_slice(lat, jnp.concatenate([c_kv, k_pe], axis=-1), (0, pos[0], 0))
     wkv = p["w_kv_b"].reshape(h, nope + vd, r)
+    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
+    if s == 1:  # decode: the absorbed form, as DeepSeek's inference code and the chip compute it
+        q_lat = _bf16(_mxu(q[:, 0, :, :nope].transpose(1, 0, 2), wkv[:, :nope]))  # [H, B, R]
+        q_full = jnp.concatenate([q_lat, q_pe[:, 0].transpose(1, 0, 2)], axis=-1).transpose(1, 0, 2)
+        sc = _mxu(q_full, lat.transpose(0, 2, 1)) * jnp.float32(mla_softmax_scale(cfg))  # [B, H, cap]
+        sc = jnp.where(valid[0][None, None], sc, _MASKED)
+        o_lat = _bf16(_softmax_pv(sc, lat[..., :r], None))  # [B, H, R]
+        out = _bf16(_mxu(o_lat.transpose(1, 0, 2), wkv[:, nope:].transpose(0, 2, 1)))  # [H, B, V]
+        return _linear(out.transpose(1, 0, 2).reshape(b, h * vd), p["wo"]), (lat,)
     k_nope = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, :nope], precision="highest"))
     v = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, nope:], precision="highest"))
     sc = (jnp.einsum("bshd,bhnd->bhsn", q[..., :nope], k_nope, precision="highest")
           + jnp.einsum("bshd,bnd->bhsn", q_pe, lat[..., r:], precision="highest"))
     sc = sc * jnp.float32(mla_softmax_scale(cfg))
-    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
     sc = jnp.where(valid, sc, _MASKED)
     o = _bf16(_softmax_pv(sc, v, None)).transpose(0, 2, 1, 3).reshape(b * s, h * vd)
     return _linear(o, p["wo"]), (lat,)

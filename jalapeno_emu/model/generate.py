@@ -27,13 +27,16 @@ LOGIT_TOLERANCE = {"rel_rms": 0.05, "max_abs_of_peak": 0.15}
 """How close the die's logits must be to the reference's, per step:
 rms(die - ref) <= 5 % of rms(ref), and max |die - ref| <= 15 % of max |ref|.
 
-Why this loose: the die and the reference agree to 1 BF16 ulp per kernel (summation order,
-online softmax), but every MoE expert quantises its input and activation to MXFP8 E4M3 (3
-mantissa bits): a 1-ulp BF16 difference in x moves an element across an FP8 rounding boundary
-now and then, which changes it by up to 6 %, and that passes through the expert into the residual
-stream. Measured on the tiny models (seeds 0-2, 48 steps): rel. RMS 0.3-2 %, max error 1-9 % of
-the peak logit. Greedy tokens must match exactly whenever the reference's top-2 margin exceeds
-twice the step's max error (otherwise the step is a near-tie and is reported, not failed)."""
+Measured: with the prompt prefilled in one chunk and decode contexts within one KV tile, the die
+and the op-by-op reference agree bit for bit (tiny-gpt-oss with its expert biases, tiny-deepseek;
+rel. RMS 0). They part where the die sums in an order the reference does not model: the online
+softmax over several KV tiles (a chunk attending to earlier chunks, long contexts) changes an
+attention output by one BF16 ulp, and the MoE's MXFP8 activations (3 mantissa bits) amplify such
+an ulp when it moves an element across a rounding boundary or flips a near-tie in routing:
+tiny-gpt-oss's second 32-token chunk 3.9 % rel. RMS (tokens identical), tiny-deepseek's 61 %
+(a routing flip; the check fails). The tolerance is for the first kind; greedy tokens must match
+exactly unless the reference's top-2 margin is within twice the step's error (a near-tie,
+reported)."""
 
 
 @dataclass

@@ -258,7 +258,8 @@ def route(cfg: ModelConfig, p: dict, y: jax.Array) -> jax.Array:
             top2 = jax.lax.top_k(grp, 2)[0].sum(-1)
             keep = jax.lax.top_k(top2, cfg.topk_group)[1]
             gmask = jnp.zeros_like(top2).at[jnp.arange(sel.shape[0])[:, None], keep].set(1.0)
-            sel = jnp.where(jnp.repeat(gmask, cfg.experts // cfg.n_group, axis=1) > 0, sel, -jnp.inf)
+            # HF masks the experts of dropped groups with 0.0 (masked_fill), not -inf
+            sel = jnp.where(jnp.repeat(gmask, cfg.experts // cfg.n_group, axis=1) > 0, sel, 0.0)
         _, ids = jax.lax.top_k(sel, cfg.top_k)
         chosen = jnp.take_along_axis(scores, ids, axis=1)
         w = (chosen * (jnp.float32(1) / (_row_sum(chosen) + jnp.float32(1e-20)))) * jnp.float32(

@@ -39,7 +39,8 @@ def _tiny_section(app: App, args: argparse.Namespace) -> dict[str, Any]:
     for col, just in (("layer", "left"), ("µs", "right"), ("bound", "left"), ("HBM util", "right")):
         table.add_column(col, justify=just)
     for lt in last["layers"]:
-        name = {-1: "embedding"}.get(lt["layer"], "norm+logits" if lt["layer"] == cfg.layers else str(lt["layer"]))
+        tail = "norm+logits" if lt["layer"] == cfg.layers else str(lt["layer"])
+        name = {-1: "embedding"}.get(lt["layer"], tail)
         table.add_row(name, f"{lt['time_s'] * 1e6:,.1f}", lt["bound"], f"{lt['hbm_utilization']:.1%}")
     app.console.print(table)
     return doc
@@ -54,7 +55,8 @@ def _full_section(app: App) -> dict[str, Any]:
     out = {}
     for batch in (1, 64):
         app.status(f"gpt-oss-120b decode step, batch {batch}, context 8192 (timing-only)")
-        out[f"batch_{batch}"] = time_model(cfg, Step("decode", batch=batch, context=8192), timer=timer).as_dict()
+        step = Step("decode", batch=batch, context=8192)
+        out[f"batch_{batch}"] = time_model(cfg, step, timer=timer).as_dict()
     if app.json_output:
         return out
     app.console.print("[bold]2. gpt-oss-120b decode step on one Jalapeño die[/bold] (context 8192, "
@@ -63,10 +65,11 @@ def _full_section(app: App) -> dict[str, Any]:
     for col, just in (("batch", "right"), ("step ms", "right"), ("tok/s", "right"), ("tok/s/user", "right"),
                       ("bound", "left"), ("HBM GB", "right"), ("HBM util", "right"), ("weights+KV", "right")):
         table.add_column(col, justify=just)
-    for key, d in out.items():
+    for d in out.values():
         b = d["batch"]
         fp = d["footprint"]
-        table.add_row(str(b), f"{d['time_s'] * 1e3:.3f}", f"{b / d['time_s']:,.0f}", f"{1 / d['time_s']:,.0f}",
+        table.add_row(str(b), f"{d['time_s'] * 1e3:.3f}", f"{b / d['time_s']:,.0f}",
+                      f"{1 / d['time_s']:,.0f}",
                       d["bound"], f"{d['hbm_bytes'] / 1e9:.2f}", f"{d['hbm_utilization']:.1%}",
                       f"{fp['weight_share'] + fp['kv_share']:.1%} of HBM")
     app.console.print(table)
@@ -92,7 +95,8 @@ def _rack_section(app: App) -> dict[str, Any] | None:
         table.add_column(col, justify="left" if col == "mapping" else "right")
     for p in points:
         table.add_row(str(p["concurrency"]), str(p["mapping"]), str(p["chips"]),
-                      f"{p['interactivity_tok_s_user']:,.1f}", f"{p['ttft_s']:.3f}", f"{p['tpot_s'] * 1e3:.2f}",
+                      f"{p['interactivity_tok_s_user']:,.1f}", f"{p['ttft_s']:.3f}",
+                      f"{p['tpot_s'] * 1e3:.2f}",
                       f"{p['throughput_tok_s_per_chip']:,.0f}", f"{p['tok_s_per_kw']['all_in']:,.0f}")
     app.console.print(table)
     return {"points": points}

@@ -121,7 +121,8 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
     app.console.print(_kernel_table(f"{cfg.name} layer {args.layer} ({doc['kind']}) {args.phase}, {what}, "
                                     f"on {spec.name}", doc["kernels"]))
     app.console.print(f"layer: {_us(totals['time_s'])} µs, {totals['bound']}-bound, "
-                      f"{totals['hbm_bytes'] / 1e6:,.1f} MB from HBM at {totals['hbm_utilization']:.1%} of peak "
+                      f"{totals['hbm_bytes'] / 1e6:,.1f} MB from HBM at "
+                      f"{totals['hbm_utilization']:.1%} of peak "
                       f"bandwidth, {totals['flops'] / 1e9:,.2f} GFLOP at {totals['mxu_utilization']:.1%} of "
                       "peak MXFP4")
     return 0
@@ -148,7 +149,8 @@ def run_model(app: App, args: argparse.Namespace) -> int:
         doc["prior"] = 0
         doc["chunks"] = docs
     if args.trace:
-        write_layer_trace([lt for r in reports for lt in (r.head, *(g for _, g in r.groups), r.tail)], args.trace)
+        groups = [lt for r in reports for lt in (r.head, *(g for _, g in r.groups), r.tail)]
+        write_layer_trace(groups, args.trace)
     if app.json_output:
         app.emit_json("model", doc)
         return 0
@@ -158,11 +160,13 @@ def run_model(app: App, args: argparse.Namespace) -> int:
     for col, just in (("layers", "left"), ("kind", "left"), ("count", "right"), ("µs each", "right"),
                       ("µs total", "right"), ("bound", "left"), ("HBM util", "right"), ("MXU util", "right")):
         table.add_column(col, justify=just)
-    for g in [last["head"] | {"layers": ["embed"], "count": 1, "time_s_each": last["head"]["time_s"]}] + last["layers"] + [
-            last["tail"] | {"layers": ["norm+logits"], "count": 1, "time_s_each": last["tail"]["time_s"]}]:
+    head = last["head"] | {"layers": ["embed"], "count": 1, "time_s_each": last["head"]["time_s"]}
+    tail = last["tail"] | {"layers": ["norm+logits"], "count": 1, "time_s_each": last["tail"]["time_s"]}
+    for g in [head, *last["layers"], tail]:
         idx = g["layers"]
         label = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]},{idx[1]},...,{idx[-1]}"
-        table.add_row(label, g["kind"], str(g["count"]), _us(g["time_s_each"]), _us(g["time_s_each"] * g["count"]),
+        table.add_row(label, g["kind"], str(g["count"]), _us(g["time_s_each"]),
+                      _us(g["time_s_each"] * g["count"]),
                       g["bound"], f"{g['hbm_utilization']:.1%}", f"{g['mxu_utilization']:.1%}")
     app.console.print(table)
     fp = last["footprint"]
@@ -177,7 +181,8 @@ def run_model(app: App, args: argparse.Namespace) -> int:
     t = doc["time_s_unconstrained"]
     tokens = args.batch * (1 if args.phase == "decode" else doc["seq"])
     app.console.print(f"step: {t * 1e3:,.3f} ms ({doc['bound']}-bound), {tokens / t:,.0f} tok/s, "
-                      f"HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; {last['distinct_launches']} distinct launches timed")
+                      f"HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; "
+                      f"{last['distinct_launches']} distinct launches timed")
     return 0
 
 
@@ -191,7 +196,8 @@ def run_generate(app: App, args: argparse.Namespace) -> int:
     cfg = load_model_config(args.model)
     with Progress(console=app.err_console, transient=True, disable=app.json_output) as bar:
         task = bar.add_task(f"{cfg.name} on {args.preset}", total=None)
-        gen = generate(cfg, prompt_len=args.prompt_len, tokens=args.tokens, batch=args.batch, chunk=args.chunk,
+        gen = generate(cfg, prompt_len=args.prompt_len, tokens=args.tokens, batch=args.batch,
+                       chunk=args.chunk,
                        seed=args.seed, preset=args.preset, check=args.check,
                        progress=lambda done, total: bar.update(task, completed=done, total=total))
     doc = gen.as_dict()
@@ -202,12 +208,14 @@ def run_generate(app: App, args: argparse.Namespace) -> int:
     table = Table(title=f"{cfg.name} on {gen.preset}: {args.prompt_len}-token prompt, {args.tokens} tokens, "
                   f"batch {args.batch}")
     for col, just in (("step", "right"), ("phase", "left"), ("positions", "right"), ("token(s)", "left"),
-                      ("die µs", "right"), ("bound", "left"), ("HBM util", "right"), ("emulation s", "right")):
+                      ("die µs", "right"), ("bound", "left"), ("HBM util", "right"),
+                      ("emulation s", "right")):
         table.add_column(col, justify=just)
     first_decode = len(doc["steps"]) - (gen.tokens.shape[1] - 1)
     for n, st in enumerate(doc["steps"]):
         tok = gen.tokens[:, n - first_decode + 1] if n >= first_decode - 1 else None
-        table.add_row(str(n), st["phase"], str(st["positions"]), "" if tok is None else " ".join(map(str, tok)),
+        shown = "" if tok is None else " ".join(map(str, tok))
+        table.add_row(str(n), st["phase"], str(st["positions"]), shown,
                       _us(st["time_s"]), st["bound"], f"{st['hbm_utilization']:.1%}", f"{st['wall_s']:.2f}")
     app.console.print(table)
     if doc["decode_time_s_per_token"]:

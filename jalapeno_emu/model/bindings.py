@@ -103,18 +103,20 @@ def _gqa_prefill(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: di
     qkv = die.run(launches["qkv_proj"], {"x": y, "w": lw.wqkv, "bias": pk.get("bqkv")})["y"]
     q, k, v = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
     att = launches["attention"]
-    rows, width = die.tensor_shape(att, "k_cache")
+    width = die.tensor_shape(att, "k_cache")[1]
     cap = die.tensor_shape(att, "v_cache")[0] // (b * hkv)
     kt = k.reshape(b, s, hkv, d).transpose(0, 2, 3, 1).reshape(b * hkv * d, s)
     data = {"q": q, "k": np.ascontiguousarray(kt), "v": v,
             "k_cache": _k_cache_layout(die.k_cache[i][:, :, :prior], cap, width),
             "v_cache": _v_cache_layout(die.v_cache[i][:, :, :prior], cap),
             "rope_cos": die.cos[:ctx], "rope_sin": die.sin[:ctx],
-            "rope_cos_t": np.ascontiguousarray(die.cos[:ctx].T), "rope_sin_t": np.ascontiguousarray(die.sin[:ctx].T)}
+            "rope_cos_t": np.ascontiguousarray(die.cos[:ctx].T),
+            "rope_sin_t": np.ascontiguousarray(die.sin[:ctx].T)}
     if cfg.sinks:
         data["sinks"] = pk["sinks"]
     got = die.run(att, data)
-    die.k_cache[i][:, :, prior:ctx] = got["k_cache"].reshape(b, hkv, d, width)[..., prior:ctx].transpose(0, 1, 3, 2)
+    new_k = got["k_cache"].reshape(b, hkv, d, width)[..., prior:ctx]
+    die.k_cache[i][:, :, prior:ctx] = new_k.transpose(0, 1, 3, 2)
     die.v_cache[i][:, :, prior:ctx] = got["v_cache"].reshape(b, hkv, cap, d)[:, :, prior:ctx]
     return die.run(launches["o_proj"], {"x": got["out"], "w": lw.wo, "bias": pk.get("bo")})["y"]
 
@@ -129,7 +131,8 @@ def _mla(die: DieModel, i: int, lw: LayerWeights, pk: dict, launches: dict[str, 
     ql, r, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim
     a = die.run(launches["qkv_a_proj"], {"x": y, "w": lw.wqkv_a})["y"]
     qa = die.run(launches["q_a_norm"], {"x": np.ascontiguousarray(a[:, :ql]), "w": pk["q_a_norm"]})["y"]
-    c = die.run(launches["kv_a_norm"], {"x": np.ascontiguousarray(a[:, ql:ql + r]), "w": pk["kv_a_norm"]})["y"]
+    c = die.run(launches["kv_a_norm"], {"x": np.ascontiguousarray(a[:, ql:ql + r]),
+                                        "w": pk["kv_a_norm"]})["y"]
     q = die.run(launches["q_b_proj"], {"x": qa, "w": lw.wq_b})["y"].reshape(b * new * h, -1)
     # The latent cache is padded to whole 32-token blocks per sequence (rows b*cap + position),
     # the layout mla-append, mla-decode and mla-prefill share.

@@ -177,7 +177,8 @@ def _get(cfg: Mapping[str, Any], key: str, where: str, default: Any = ...) -> An
     if key in cfg:
         return cfg[key]
     if default is ...:
-        raise ConfigError(f"{where}: config.json lacks {key!r}", hint="is this a gpt_oss / deepseek_v3 config?")
+        raise ConfigError(f"{where}: config.json lacks {key!r}",
+                          hint="is this a gpt_oss / deepseek_v3 config?")
     return default
 
 

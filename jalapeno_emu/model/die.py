@@ -88,7 +88,8 @@ class DieModel:
             shape = (batch, max_positions, cfg.kv_lora_rank + cfg.qk_rope_dim)
             self.latent = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
             self.cos, self.sin = deepseek_rope_tables(cfg, max_positions)
-        self.packed = [bindings.pack_layer(cfg, i, lw, self.spec, batch) for i, lw in enumerate(weights.layers)]
+        self.packed = [bindings.pack_layer(cfg, i, lw, self.spec, batch)
+                       for i, lw in enumerate(weights.layers)]
 
     # --- launches -------------------------------------------------------------------------
     def _build(self, launch: Launch) -> tuple[KernelBuild, dict[str, Any], frozenset[str]]:

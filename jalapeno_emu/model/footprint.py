@@ -37,7 +37,8 @@ def _attention_weight_bytes(cfg: ModelConfig) -> float:
         sinks = cfg.q_heads * 4 if cfg.sinks else 0
         return elems * w + bias + sinks
     qk = cfg.qk_nope_dim + cfg.qk_rope_dim
-    q = (h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.q_heads * qk) if cfg.q_lora_rank else h * cfg.q_heads * qk
+    lora = cfg.q_lora_rank
+    q = h * lora + lora * cfg.q_heads * qk if lora else h * cfg.q_heads * qk
     kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_dim)
     kv_b = cfg.kv_lora_rank * cfg.q_heads * (cfg.qk_nope_dim + cfg.v_head_dim)
     o = cfg.q_heads * cfg.v_head_dim * h

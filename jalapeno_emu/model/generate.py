@@ -65,7 +65,8 @@ class Generation:
         out = {"model": self.model, "preset": self.preset, "prompt": self.prompt.tolist(),
                "tokens": self.tokens.tolist(), "steps": self.steps,
                "prefill_time_s": sum(s["time_s"] for s in prefill),
-               "decode_time_s_per_token": (sum(s["time_s"] for s in decode) / len(decode)) if decode else None,
+               "decode_time_s_per_token": (sum(s["time_s"] for s in decode) / len(decode)
+                                           if decode else None),
                "wall_s": sum(s["wall_s"] for s in self.steps)}
         if self.check is not None:
             out["check"] = self.check

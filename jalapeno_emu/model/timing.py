@@ -10,8 +10,10 @@ layers are grouped by identical plans.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +26,23 @@ from .config import ModelConfig
 from .footprint import Footprint, footprint
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 
-__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "sum_timings", "time_layer", "time_model",
+__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "gc_paused", "sum_timings",
+           "time_layer", "time_model",
            "write_layer_trace"]
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while kernels are built and timed: every full
+    collection re-walks all the Programs built so far (hundreds of thousands of frozen objects),
+    which costs more than building them; nothing they create is garbage until the step is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 _FIELDS = ("time_s", "hbm_bytes", "flops", "hbm_utilization", "hbm_utilization_of_achievable",
            "mxu_utilization", "bound", "lower_bound_s", "instructions")
@@ -153,7 +170,8 @@ class StepTimer:
 
     def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str) -> LayerTiming:
         """Time launches run back to back as one group."""
-        timed = [self.time_launch(x) for x in launches]
+        with gc_paused():
+            timed = [self.time_launch(x) for x in launches]
         kernels = tuple(k for k, _ in timed)
         return LayerTiming(layer=layer, kind=kind, kernels=kernels, totals=sum_timings(kernels, self.spec),
                            timelines=tuple(t for _, t in timed))
@@ -161,7 +179,10 @@ class StepTimer:
 
 def layer_kind(cfg: ModelConfig, layer: int) -> str:
     """``full``/``sliding-W`` or ``mla``, then ``moe``/``dense``: what makes layers differ."""
-    attn = "mla" if cfg.attention == "mla" else (f"sliding-{cfg.window(layer)}" if cfg.window(layer) else "full")
+    if cfg.attention == "mla":
+        attn = "mla"
+    else:
+        attn = f"sliding-{cfg.window(layer)}" if cfg.window(layer) else "full"
     return f"{attn} {'moe' if cfg.is_moe(layer) else 'dense'}"
 
 
@@ -232,11 +253,13 @@ def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1
     plans: dict[tuple[Launch, ...], list[int]] = {}
     for layer in range(cfg.layers):
         plans.setdefault(layer_launches(cfg, layer, step), []).append(layer)
-    groups = tuple((tuple(idx), timer.time_launches(plan, layer=idx[0], kind=layer_kind(cfg, idx[0])))
-                   for plan, idx in plans.items())
-    head = timer.time_launches(head_launches(cfg, step), layer=-1, kind="head")
-    tail = timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail")
-    every = list(head.kernels) + [k for idx, lt in groups for _ in idx for k in lt.kernels] + list(tail.kernels)
+    with gc_paused():
+        groups = tuple((tuple(idx), timer.time_launches(plan, layer=idx[0], kind=layer_kind(cfg, idx[0])))
+                       for plan, idx in plans.items())
+        head = timer.time_launches(head_launches(cfg, step), layer=-1, kind="head")
+        tail = timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail")
+    layers = [k for idx, lt in groups for _ in idx for k in lt.kernels]
+    every = [*head.kernels, *layers, *tail.kernels]
     totals = sum_timings(every, timer.spec)
     fp = footprint(cfg, timer.spec, batch=step.batch, tokens=step.positions)
     return ModelTiming(model=cfg.name, preset=timer.spec.name, step=step, head=head, tail=tail, groups=groups,
@@ -251,7 +274,8 @@ def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str
     import json
     import tempfile
 
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "launches"}},
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
+                                     "args": {"name": "launches"}},
                                     {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
                                      "args": {"name": "kernels"}}]
     t0_us = 0.0

@@ -91,7 +91,8 @@ def _norm_w(rng: np.random.Generator, n: int) -> np.ndarray:
     return (1.0 + 0.1 * rng.standard_normal(n)).astype(_BF16)
 
 
-def _expert(rng: np.random.Generator, h: int, i: int, fmt: str, bias: bool, out_scale: float) -> ExpertWeights:
+def _expert(rng: np.random.Generator, h: int, i: int, fmt: str, bias: bool,
+            out_scale: float) -> ExpertWeights:
     def w(rows: int, cols: int, scale: float) -> Any:
         values = (scale * rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
         return mx.quantize(values, "e2m1", axis=0) if fmt == "fp4" else values.astype(_BF16)

@@ -46,7 +46,8 @@ def test_deepseek_and_kimi_structures():
 
 
 def test_tiny_variants_keep_the_structure():
-    for tiny, full in (("tiny-gpt-oss", "gpt-oss-120b"), ("tiny-deepseek", "deepseek-r1"), ("tiny-kimi", "kimi-k2.5")):
+    pairs = (("tiny-gpt-oss", "gpt-oss-120b"), ("tiny-deepseek", "deepseek-r1"), ("tiny-kimi", "kimi-k2.5"))
+    for tiny, full in pairs:
         t, f = load_model_config(tiny), load_model_config(full)
         assert (t.family, t.attention, t.router, t.activation, t.sinks, t.expert_bias, t.score_bias) == (
             f.family, f.attention, f.router, f.activation, f.sinks, f.expert_bias, f.score_bias)
@@ -81,7 +82,8 @@ def test_bad_configs_are_refused_with_the_field_named(tmp_path):
     with pytest.raises(ConfigError, match="num_hidden_layers"):
         from_hf_config(cfg)
     ds = dict(model_type="deepseek_v3", num_hidden_layers=2, num_attention_heads=2, qk_nope_head_dim=32,
-              qk_rope_head_dim=32, n_routed_experts=6, n_group=4, hidden_size=64, vocab_size=10, rope_theta=1e4,
+              qk_rope_head_dim=32, n_routed_experts=6, n_group=4, hidden_size=64, vocab_size=10,
+              rope_theta=1e4,
               kv_lora_rank=32, v_head_dim=32, intermediate_size=64, moe_intermediate_size=32,
               num_experts_per_tok=2, q_lora_rank=32)
     with pytest.raises(ConfigError, match="n_group 4 must divide"):

@@ -42,8 +42,8 @@ def test_deepseek_dense_then_moe_layers_with_mla():
     ffn = dense[-1].shape_dict
     assert (ffn["experts"], ffn["shared_experts"], ffn["intermediate"]) == (0, 1, 18432)
     m = moe[-1].shape_dict
-    assert (m["experts"], m["top_k"], m["shared_experts"], m["n_group"], m["topk_group"], m["score_bias"]) == (
-        256, 8, 1, 8, 4, True)
+    keys = ("experts", "top_k", "shared_experts", "n_group", "topk_group", "score_bias")
+    assert tuple(m[k] for k in keys) == (256, 8, 1, 8, 4, True)
     assert dense[1].shape_dict["n"] == 1536 + 512 + 64 and dense[2].shape_dict["residual"] is False
     att = dense[6].shape_dict
     assert dense[6].kernel == "mla-decode" and att["q_heads"] == 128 and att["kv_lora_rank"] == 512
@@ -63,7 +63,7 @@ def test_head_and_tail():
     step = Step("prefill", batch=2, seq=1024)
     (emb,) = head_launches(cfg, step)
     assert emb.kernel == "embedding" and emb.shape_dict["tokens"] == 2048
-    norm, logits = tail_launches(cfg, step)
+    _, logits = tail_launches(cfg, step)
     assert logits.shape_dict["tokens"] == 2 and logits.shape_dict["vocab"] == 201088  # last token only
 
 

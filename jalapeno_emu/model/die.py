@@ -113,6 +113,15 @@ class DieModel:
         missing = sorted(needed - set(data) - set(consts))
         if missing:
             raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): no data bound for {missing}")
+        # run_functional accepts an input smaller than its allocation (a partial write); a binding
+        # must match the recorded shape exactly, or the kernel would read misplaced rows.
+        tensors = dict(dict(build.program.meta).get("tensors", {}))
+        for name, value in data.items():
+            want = tensors.get(name, (None, None))[1]
+            got = getattr(value, "shape", None)
+            if want is not None and got is not None and tuple(got) != tuple(want):
+                raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): input {name!r} has shape "
+                                           f"{tuple(got)}, the program's tensor is {tuple(want)}")
         result = run_functional(build.program, {**consts, **data})
         return {name: result.read(name, dt, shp) for name, (dt, shp) in build.outputs.items()}
 

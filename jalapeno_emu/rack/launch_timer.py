@@ -23,6 +23,7 @@ so a cached figure is always what this code would compute.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -181,12 +182,11 @@ class LaunchTimer:
         shape = launch.shape_dict
         t0 = time.perf_counter()
         try:
-            build = get_kernel(launch.kernel).build(shape, self.spec)
+            s = _build_and_time(launch, shape, self.spec)
         except InvalidArgumentError as exc:
             if not split:
                 raise
             return self._split(launch, shape, exc)
-        s = run_timing(build.program, self.spec).summary()
         self.builds += 1
         self.build_wall_s += time.perf_counter() - t0
         out = LaunchTime(
@@ -226,6 +226,20 @@ class LaunchTimer:
                 fh.write(line)
         except OSError:
             self._file = None  # an unwritable cache directory only costs speed
+
+
+def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> dict[str, Any]:
+    """Build the launch's Program and run the timing pass; the cyclic garbage collector is paused
+    meanwhile (its collections would re-walk the hundreds of thousands of objects a Program is
+    made of, costing more than building it; the Program is dropped afterwards)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        build = get_kernel(launch.kernel).build(shape, spec)
+        return run_timing(build.program, spec).summary()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _read_cache(path: Path) -> dict[str, LaunchTime]:

@@ -47,6 +47,7 @@ def test_user_errors_print_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_console_script_module_runs_as_a_process():
-    proc = subprocess.run([sys.executable, "-m", "jalapeno_emu.cli.main", "demo", "--numerics", "--fmt", "bad"],
+    argv = [sys.executable, "-m", "jalapeno_emu.cli.main", "demo", "--numerics", "--fmt", "bad"]
+    proc = subprocess.run(argv,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@
    decode step is broken down per layer.
 2. The full-size gpt-oss-120b decode step (batch 1 and 64, context 8192), timing-only: per-layer
    latency, what bounds it, HBM bandwidth utilisation, weights and KV cache against HBM capacity.
-3. The rack estimate (when the rack model is installed): gpt-oss-120b served at 8k/1k.
+3. The rack estimate: gpt-oss-120b served at 8k/1k, concurrency 1 and 64 (mapping searched).
 
 ``demo --numerics`` is the MX numerics demo: a synthetic gpt-oss-120b expert gate/up projection
 (2880 x 5760, BF16, blocked along the 2880-long contraction axis) quantised under each scale rule,

@@ -79,11 +79,9 @@ def _full_section(app: App) -> dict[str, Any]:
     return out
 
 
-def _rack_section(app: App) -> dict[str, Any] | None:
-    try:
-        from jalapeno_emu.rack.deployment import rack_estimate
-    except ImportError:  # the rack model is not part of this build
-        return None
+def _rack_section(app: App) -> dict[str, Any]:
+    from jalapeno_emu.rack.deployment import rack_estimate
+
     app.status(f"gpt-oss-120b on the rack at {ISL}/{OSL}, concurrency 1 and 64")
     points = rack_estimate("gpt-oss-120b", "jalapeno-v1", ISL, OSL, (1, 64))
     if app.json_output:
@@ -108,9 +106,7 @@ def run_model_demo(app: App, args: argparse.Namespace) -> int:
         raise Abort(f"--tokens must be >= 1 (got {args.tokens})")
     t0 = time.perf_counter()
     doc = {"tiny": _tiny_section(app, args), "gpt_oss_120b": _full_section(app)}
-    rack = _rack_section(app)
-    if rack is not None:
-        doc["rack"] = rack
+    doc["rack"] = _rack_section(app)
     doc["wall_s"] = time.perf_counter() - t0
     if app.json_output:
         app.emit_json("demo", doc)

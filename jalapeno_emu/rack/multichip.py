@@ -11,27 +11,38 @@ Partitioning (mesh axes ``("ep", "tp")``, ``N = ep * tp`` chips):
   shared down projections and the latent cache replicated, as MLA tensor parallelism does). Each
   chip keeps the KV cache of its heads. ``o_proj`` is row-parallel: its partial sums are combined
   over ``tp``.
-- FFN (dense layers, shared experts, routed experts): each expert's intermediate dimension split
-  over ``tp`` (gate/up column-parallel, down row-parallel, combined over ``tp``).
+- FFN (dense layers, shared experts, routed experts): each expert's gate/up columns (the
+  intermediate dimension, whole 32-blocks per chip) split over ``tp``; the down projection split
+  by output column (``exact``) or by input row (``psum``).
 - routed experts: split over ``ep`` (chip group ``r`` holds experts ``r*E/ep ..``). Each group
   computes its experts; a token's ``top_k`` expert outputs are combined over ``ep``.
 - embedding, norms, router and residual stream replicated; the LM head vocabulary-parallel over
   ``tp`` (logits all-gathered). Attention is replicated across the ``ep`` groups (no data-parallel
-  attention: every chip sees every sequence).
+  attention: every chip sees every sequence). In ``rack.mapping`` terms: tp=tp, dp=ep, ep=ep.
+
+Each layer kind is one jitted shard_map program, so XLA fuses operations as it does in
+``ReferenceModel(jit=True)`` (a multiply feeding an add becomes a fused multiply-add); that is
+the one-chip baseline the sharded model matches bit for bit. The op-by-op
+``ReferenceModel(jit=False)`` rounds such pairs separately; against it the logits differ in the
+last bits and the tokens agree (docs/multichip.md). Running shard_map op by op instead (outside
+jit) gives unfused roundings too, but dispatches every operation across the chips: ~200 s per
+tiny-model step here, too slow to use.
 
 Two ways of combining partial sums (``reduce``):
 
-- ``"exact"`` (default): bit-identical with the one-chip reference. A row-parallel matmul sends
-  its 32-element K-block terms (the matrix unit's block sums, ``emu.functional.
-  inorder_block_matmul`` / ``mx.matmul`` semantics) with an ``all_gather`` and every chip adds
-  them in block order, which is the one-chip summation order; a token's routed-expert outputs
-  travel one per (token, slot) through a ``psum`` in which exactly one chip contributes a non-zero
-  value (adding +0 is exact), and are summed in expert-index order, as the reference's expert
-  scan does. Link traffic: ``K/32`` times a plain all-reduce's for row-parallel layers;
-  ``top_k * T * H`` values per MoE layer, the volume of an expert-parallel combine.
-- ``"psum"``: plain ``lax.psum`` all-reduces (what the rack's ``collectives`` price). The FP32
-  summation order differs from one chip's, so logits differ by BF16 rounding; greedy tokens are
-  the same on the tiny models (see docs/multichip.md for the measured differences).
+- ``"exact"`` (default): bit-identical with one chip. ``o_proj`` sends its 32-element K-block
+  terms (the matrix unit's block sums, ``inorder_block_matmul`` semantics) with an
+  ``all_gather`` and every chip adds them in block order, the one-chip summation order. An expert
+  all-gathers its MXFP8 activation over ``tp`` (quantised in chip-local blocks, so it is the
+  one-chip activation) and each chip computes whole down-projection columns. A token's
+  routed-expert outputs travel one per (token, slot) through a ``psum`` over ``ep`` in which
+  exactly one group contributes a non-zero value (adding +0 is exact) and are added in expert
+  order, as the reference's expert scan does. Link traffic: ``K/32`` times a plain all-reduce's
+  for ``o_proj``; ``top_k * T * H / tp`` values per chip and MoE layer, an EP combine's payload.
+- ``"psum"``: plain ``lax.psum`` all-reduces of partial sums (what ``rack.collectives`` prices).
+  The FP32 summation order differs from one chip's; every layer rounds to BF16, so the logits
+  differ only when an FP32 sum sits within an ulp of a BF16 rounding boundary (docs/multichip.md
+  has the measured differences); greedy tokens are the same on the tiny models.
 
 Across machines (``jax.distributed``): nothing in this module changes. Each process calls
 ``jax.distributed.initialize(coordinator_address="host0:1234", num_processes=P, process_id=i)``
@@ -270,7 +281,8 @@ def _gqa_heads(cfg: ModelConfig, window: int, tp: int, p: dict, cache: tuple, y:
 def _mla_heads(cfg: ModelConfig, tp: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
                cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
     """``reference._mla`` on this chip's heads, stopping before o_proj: o [B*S, (Hq/tp) Dv]; the
-    latent cache [B, cap, R + rope] is the same on every chip (shared by all heads)."""
+    latent cache [B, cap, R + rope] is the same on every chip (shared by all heads). Decode steps
+    (S = 1) take the absorbed form, prefill the naive one, as the reference does."""
     (lat,) = cache
     b, s = batch, pos.shape[0]
     h, nope, rope, r, vd = (cfg.q_heads // tp, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank,
@@ -284,12 +296,20 @@ def _mla_heads(cfg: ModelConfig, tp: int, p: dict, cache: tuple, y: jax.Array, p
     q_pe = _bf16(_rotate_half(_deinterleave(q[..., nope:]), c[None, :, None], sn[None, :, None]))
     lat = lax.dynamic_update_slice(lat, jnp.concatenate([c_kv, k_pe], axis=-1), (0, pos[0], 0))
     wkv = p["w_kv_b"].reshape(h, nope + vd, r)
+    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
+    if s == 1:
+        q_lat = _bf16(_mxu(q[:, 0, :, :nope].transpose(1, 0, 2), wkv[:, :nope]))  # [H, B, R]
+        q_full = jnp.concatenate([q_lat, q_pe[:, 0].transpose(1, 0, 2)], axis=-1).transpose(1, 0, 2)
+        sc = _mxu(q_full, lat.transpose(0, 2, 1)) * jnp.float32(mla_softmax_scale(cfg))  # [B, H, cap]
+        sc = jnp.where(valid[0][None, None], sc, _MASKED)
+        o_lat = _bf16(_softmax_pv(sc, lat[..., :r], None))  # [B, H, R]
+        out = _bf16(_mxu(o_lat.transpose(1, 0, 2), wkv[:, nope:].transpose(0, 2, 1)))  # [H, B, V]
+        return out.transpose(1, 0, 2).reshape(b, h * vd), (lat,)
     k_nope = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, :nope], precision="highest"))
     v = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, nope:], precision="highest"))
     sc = (jnp.einsum("bshd,bhnd->bhsn", q[..., :nope], k_nope, precision="highest")
           + jnp.einsum("bshd,bnd->bhsn", q_pe, lat[..., r:], precision="highest"))
     sc = sc * jnp.float32(mla_softmax_scale(cfg))
-    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
     sc = jnp.where(valid, sc, _MASKED)
     o = _bf16(_softmax_pv(sc, v, None)).transpose(0, 2, 1, 3).reshape(b * s, h * vd)
     return o, (lat,)
@@ -458,7 +478,8 @@ class ShardedModel:
         ep: chip groups that split the routed experts.
         batch: sequences (they advance together). max_positions: KV-cache capacity in tokens.
         devices: ``ep * tp`` devices (default: the first of ``jax.devices()``).
-        reduce: ``"exact"`` (bit-identical with one chip) or ``"psum"`` (plain all-reduces).
+        reduce: ``"exact"`` (bit-identical with ``ReferenceModel(jit=True)``) or ``"psum"``
+            (plain all-reduces).
 
     Raises:
         InvalidArgumentError: a partition the model's sizes do not allow, or too few devices.
@@ -553,11 +574,13 @@ def greedy_decode(model: Any, prompt: np.ndarray, tokens: int,
 
 
 def compare_greedy(model: str | ModelConfig, *, tp: int, ep: int, tokens: int = 8, prompt_len: int = 4,
-                   batch: int = 1, seed: int = 0, reduce: str = "exact", chunk: int = 0) -> dict[str, Any]:
+                   batch: int = 1, seed: int = 0, reduce: str = "exact", chunk: int = 0,
+                   reference_jit: bool = True) -> dict[str, Any]:
     """Greedy decoding of a seeded prompt (fed in chunks of ``chunk``, 0: at once) on one chip
-    (``ReferenceModel``) and on ``ep * tp`` chips (``ShardedModel``) with the same weights.
+    (``ReferenceModel(jit=reference_jit)``) and on ``ep * tp`` chips (``ShardedModel``) with the
+    same weights.
 
-    Returns a dict: model, tp, ep, chips, reduce, prompt, tokens_one_chip, tokens_multi_chip,
+    Returns a dict: model, tp, ep, chips, reduce, reference_jit, prompt, tokens_one_chip, tokens_multi_chip,
     tokens_identical, logits_bit_identical, max_abs_logit_diff, max_abs_logit_diff_of_peak
     (the largest |difference| over every step, absolute and as a fraction of the largest |logit|),
     wall_s_one_chip, wall_s_multi_chip (prefill + decode, compilation included).
@@ -573,11 +596,11 @@ def compare_greedy(model: str | ModelConfig, *, tp: int, ep: int, tokens: int = 
     prompt = np.random.default_rng(seed + 1).integers(0, cfg.vocab, (batch, prompt_len))
     cap = prompt_len + tokens
     sharded = ShardedModel(cfg, weights, tp=tp, ep=ep, batch=batch, max_positions=cap, reduce=reduce)
-    one = ReferenceModel(cfg, weights, batch=batch, max_positions=cap)
+    one = ReferenceModel(cfg, weights, batch=batch, max_positions=cap, jit=reference_jit)
     tok_1, logits_1, wall_1 = greedy_decode(one, prompt, tokens, chunk)
     tok_n, logits_n, wall_n = greedy_decode(sharded, prompt, tokens, chunk)
     diff = np.abs(logits_n.astype(np.float64) - logits_1)
-    return {"model": cfg.name, "tp": tp, "ep": ep, "chips": sharded.chips, "reduce": reduce,
+    return {"model": cfg.name, "tp": tp, "ep": ep, "chips": sharded.chips, "reduce": reduce, "reference_jit": reference_jit,
             "prompt": prompt.tolist(), "tokens_one_chip": tok_1.tolist(), "tokens_multi_chip": tok_n.tolist(),
             "tokens_identical": bool(np.array_equal(tok_1, tok_n)),
             "logits_bit_identical": bool(np.array_equal(logits_1.view(np.uint32), logits_n.view(np.uint32))),
@@ -587,14 +610,14 @@ def compare_greedy(model: str | ModelConfig, *, tp: int, ep: int, tokens: int = 
 
 
 def _set_device_count(n: int) -> None:
-    """Give the host platform ``n`` CPU devices, if JAX has not started its backends yet."""
+    """Give the host platform ``n`` CPU devices (``jax_num_cpu_devices``, the config twin of
+    ``XLA_FLAGS=--xla_force_host_platform_device_count``), unless XLA_FLAGS already names a count
+    or JAX has started its backends (importing jax starts nothing; the first device query does)."""
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
-        return
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if xla_bridge.backends_are_initialized() or "xla_force_host_platform_device_count" in flags:
+        return
     jax.config.update("jax_num_cpu_devices", n)
 
 
@@ -611,12 +634,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk in tokens (0: the whole prompt)")
     ap.add_argument("--reduce", choices=REDUCTIONS, default="exact")
+    ap.add_argument("--op-by-op-reference", action="store_true",
+                    help="compare with ReferenceModel(jit=False) (unfused roundings, slow) instead of jit=True")
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
     ap.add_argument("--coordinator", help="host:port of process 0 (jax.distributed, several machines)")
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--local-devices", type=int, default=0,
                     help="CPU devices this process emulates (default: tp*ep / num-processes)")
+    ap.add_argument("--heartbeat-timeout-s", type=int, default=600,
+                    help="jax.distributed heartbeat timeout (compiling on a busy host can starve heartbeats)")
     return ap.parse_args(argv)
 
 
@@ -626,11 +653,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     _set_device_count(args.local_devices or max(args.tp * args.ep // procs, 1))
     if args.coordinator:
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=procs,
-                                   process_id=args.process_id)
+                                   process_id=args.process_id,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout_s)
     try:
         res = compare_greedy(args.model, tp=args.tp, ep=args.ep, tokens=args.tokens,
                              prompt_len=args.prompt_len, batch=args.batch, seed=args.seed, reduce=args.reduce,
-                             chunk=args.chunk)
+                             chunk=args.chunk, reference_jit=not args.op_by_op_reference)
     except InvalidArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -639,7 +667,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(res))
         else:
             print(f"{res['model']}: 1 chip vs {res['chips']} chips (tp={res['tp']}, ep={res['ep']}, "
-                  f"reduce={res['reduce']}, {jax.process_count()} process(es))")
+                  f"reduce={res['reduce']}, one-chip reference jit={res['reference_jit']}, "
+                  f"{jax.process_count()} process(es))")
             print(f"  tokens, 1 chip : {res['tokens_one_chip']}")
             print(f"  tokens, {res['chips']} chips: {res['tokens_multi_chip']}")
             print(f"  tokens identical: {res['tokens_identical']}; logits bit-identical: "

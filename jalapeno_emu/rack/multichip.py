@@ -600,7 +600,8 @@ def compare_greedy(model: str | ModelConfig, *, tp: int, ep: int, tokens: int = 
     tok_1, logits_1, wall_1 = greedy_decode(one, prompt, tokens, chunk)
     tok_n, logits_n, wall_n = greedy_decode(sharded, prompt, tokens, chunk)
     diff = np.abs(logits_n.astype(np.float64) - logits_1)
-    return {"model": cfg.name, "tp": tp, "ep": ep, "chips": sharded.chips, "reduce": reduce, "reference_jit": reference_jit,
+    return {"model": cfg.name, "tp": tp, "ep": ep, "chips": sharded.chips, "reduce": reduce,
+            "reference_jit": reference_jit,
             "prompt": prompt.tolist(), "tokens_one_chip": tok_1.tolist(), "tokens_multi_chip": tok_n.tolist(),
             "tokens_identical": bool(np.array_equal(tok_1, tok_n)),
             "logits_bit_identical": bool(np.array_equal(logits_1.view(np.uint32), logits_n.view(np.uint32))),
@@ -635,7 +636,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk in tokens (0: the whole prompt)")
     ap.add_argument("--reduce", choices=REDUCTIONS, default="exact")
     ap.add_argument("--op-by-op-reference", action="store_true",
-                    help="compare with ReferenceModel(jit=False) (unfused roundings, slow) instead of jit=True")
+                    help="compare with ReferenceModel(jit=False) (unfused roundings, slow), not jit=True")
     ap.add_argument("--json", action="store_true", help="print the comparison as JSON")
     ap.add_argument("--coordinator", help="host:port of process 0 (jax.distributed, several machines)")
     ap.add_argument("--num-processes", type=int, default=1)

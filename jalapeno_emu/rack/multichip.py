@@ -221,7 +221,7 @@ def _local_value(x: jax.Array) -> np.ndarray:
 # shard_map runs with check_vma=False: the shared numerics helpers scan from +0 carries that
 # JAX's varying-axis typing would reject. What the outputs' specs claim holds by construction:
 # every value returned as replicated comes out of an all_gather or psum over the axes its inputs
-# vary on (and the tests compare every chip's result with the one-chip reference).
+# vary on (the unit tests compare every chip's copy with the one-chip reference).
 def _ordered_sum(terms: jax.Array, axis: int) -> jax.Array:
     """+0 + terms[0] + terms[1] + ... along ``axis``, in index order (FP32)."""
     moved = jnp.moveaxis(terms, axis, 0)

@@ -22,6 +22,7 @@ layer; ``model.die`` documents the tolerance that covers it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from .config import ModelConfig
 from .plan import mla_softmax_scale
 from .weights import LayerWeights, ModelWeights
 
-__all__ = ["ReferenceModel", "deepseek_rope_tables", "rope_tables", "route"]
+__all__ = ["ReferenceModel", "deepseek_rope_tables", "gqa_heads", "mla_heads", "rope_tables", "route"]
 
 SWIGLU_ALPHA = 1.702  # gpt-oss: glu * sigmoid(alpha * glu)
 SWIGLU_LIMIT = 7.0  # gpt-oss swiglu_limit
@@ -158,13 +159,15 @@ def _params(lw: LayerWeights) -> dict[str, Any]:
     return out
 
 
-def _gqa(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
-         cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
+def gqa_heads(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+              cos: jax.Array, sin: jax.Array, batch: int, tp: int = 1) -> tuple[jax.Array, tuple]:
     """Attention of S new tokens per sequence at positions ``pos`` [S] against the whole cache
-    (capacity-sized, masked), writing the new keys/values first. y [B*S, H] -> [B*S, H]."""
+    (capacity-sized, masked), writing the new keys/values first, up to the output projection:
+    y [B*S, H] -> o [B*S, (Hq/tp) D] (BF16 values) and the updated cache. ``tp`` > 1: the
+    1/tp share of the heads whose weights ``p`` holds (the multi-chip model's slice)."""
     kc, vc = cache
     b, s = batch, pos.shape[0]
-    hq, hkv, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    hq, hkv, d = cfg.q_heads // tp, cfg.kv_heads // tp, cfg.head_dim
     qkv = _linear(y, p["wqkv"], p["bqkv"]).reshape(b, s, hq + 2 * hkv, d)
     q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
     c, sn = cos[pos][None, :, None, :], sin[pos][None, :, None, :]
@@ -183,16 +186,26 @@ def _gqa(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos
     sc = jnp.where(jnp.tile(valid, (g, 1)), sc, _MASKED)
     sinks = jnp.repeat(p["sinks"].reshape(1, hkv, g, 1), s, axis=2) if cfg.sinks else None
     o = _softmax_pv(sc, vc, sinks).reshape(b, hkv, g, s, d)
-    o = _bf16(o).transpose(0, 3, 1, 2, 4).reshape(b * s, hq * d)
-    return _linear(o, p["wo"], p["bo"]), (kc, vc)
+    return _bf16(o).transpose(0, 3, 1, 2, 4).reshape(b * s, hq * d), (kc, vc)
 
 
-def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+def _gqa(cfg: ModelConfig, window: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
          cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
-    """MLA (naive form) of S new tokens per sequence; the latent cache [B, cap, R + rope]."""
+    """``gqa_heads`` and the output projection: y [B*S, H] -> [B*S, H]."""
+    o, cache = gqa_heads(cfg, window, p, cache, y, pos, cos, sin, batch)
+    return _linear(o, p["wo"], p["bo"]), cache
+
+
+def mla_heads(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+              cos: jax.Array, sin: jax.Array, batch: int, tp: int = 1) -> tuple[jax.Array, tuple]:
+    """MLA of S new tokens per sequence up to the output projection: o [B*S, (Hq/tp) Dv] (BF16
+    values) and the latent cache [B, cap, R + rope] with the new rows written. Decode steps
+    (S = 1) take the absorbed form, prefill the naive one. ``tp`` > 1: the 1/tp share of the
+    heads whose weights ``p`` holds (the latent cache is shared by all heads)."""
     (lat,) = cache
     b, s = batch, pos.shape[0]
-    h, nope, rope, r, vd = cfg.q_heads, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    h, nope, rope, r, vd = (cfg.q_heads // tp, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank,
+                            cfg.v_head_dim)
     a = _linear(y, p["wqkv_a"])
     q_a, c_kv, k_pe = a[:, :cfg.q_lora_rank], a[:, cfg.q_lora_rank:cfg.q_lora_rank + r], a[:, -rope:]
     q = _linear(_rmsnorm(q_a, p["q_a_norm"], cfg.rms_eps), p["wq_b"]).reshape(b, s, h, nope + rope)
@@ -210,7 +223,7 @@ def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
         sc = jnp.where(valid[0][None, None], sc, _MASKED)
         o_lat = _bf16(_softmax_pv(sc, lat[..., :r], None))  # [B, H, R]
         out = _bf16(_mxu(o_lat.transpose(1, 0, 2), wkv[:, nope:].transpose(0, 2, 1)))  # [H, B, V]
-        return _linear(out.transpose(1, 0, 2).reshape(b, h * vd), p["wo"]), (lat,)
+        return out.transpose(1, 0, 2).reshape(b, h * vd), (lat,)
     k_nope = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, :nope], precision="highest"))
     v = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, nope:], precision="highest"))
     sc = (jnp.einsum("bshd,bhnd->bhsn", q[..., :nope], k_nope, precision="highest")
@@ -218,11 +231,22 @@ def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
     sc = sc * jnp.float32(mla_softmax_scale(cfg))
     sc = jnp.where(valid, sc, _MASKED)
     o = _bf16(_softmax_pv(sc, v, None)).transpose(0, 2, 1, 3).reshape(b * s, h * vd)
-    return _linear(o, p["wo"]), (lat,)
+    return o, (lat,)
 
 
-def _expert(cfg: ModelConfig, ex: dict, xq: mx.MXArray, weight: jax.Array) -> jax.Array:
-    """weight[T, 1] * expert(x) in the chip's order: act * weight, MXFP8, down, + weight * b2."""
+def _mla(cfg: ModelConfig, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
+         cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
+    """``mla_heads`` and the output projection: y [B*S, H] -> [B*S, H]."""
+    o, cache = mla_heads(cfg, p, cache, y, pos, cos, sin, batch)
+    return _linear(o, p["wo"]), cache
+
+
+def _expert(cfg: ModelConfig, ex: dict, xq: mx.MXArray, weight: jax.Array,
+            gather: Callable[[mx.MXArray], mx.MXArray] | None = None) -> jax.Array:
+    """weight[T, 1] * expert(x) in the chip's order: act * weight, MXFP8, down, + weight * b2.
+
+    ``gather``: applied to the quantised activation before the down projection (the multi-chip
+    model all-gathers its tp column slices there); None on one chip."""
     gate, up = mx.matmul(xq, ex["gate"]), mx.matmul(xq, ex["up"])
     if ex["gate_bias"] is not None:
         gate, up = gate + ex["gate_bias"][None], up + ex["up_bias"][None]
@@ -232,7 +256,8 @@ def _expert(cfg: ModelConfig, ex: dict, xq: mx.MXArray, weight: jax.Array) -> ja
         act = g * jax.nn.sigmoid(g * jnp.float32(SWIGLU_ALPHA)) * (u + jnp.float32(1))
     else:
         act = gate * jax.nn.sigmoid(gate) * up
-    out = mx.matmul(mx.quantize(act * weight, "e4m3", axis=1), ex["down"])
+    aq = mx.quantize(act * weight, "e4m3", axis=1)
+    out = mx.matmul(aq if gather is None else gather(aq), ex["down"])
     if ex["down_bias"] is not None:
         out = out + weight * ex["down_bias"][None]
     return out

@@ -75,23 +75,18 @@ from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import inorder_block_matmul
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
-from jalapeno_emu.model.plan import mla_softmax_scale
 from jalapeno_emu.model.reference import (
-    _MASKED,
-    SWIGLU_ALPHA,
-    SWIGLU_LIMIT,
     ReferenceModel,
     _bf16,
-    _deinterleave,
+    _expert,
     _experts_sum,
     _f32,
     _linear,
-    _mxu,
     _params,
     _rmsnorm,
-    _rotate_half,
-    _softmax_pv,
     deepseek_rope_tables,
+    gqa_heads,
+    mla_heads,
     rope_tables,
     route,
 )
@@ -250,71 +245,6 @@ def _row_parallel(x: jax.Array, w: jax.Array, b: jax.Array | None, reduce: str) 
     return _bf16(y)
 
 
-def _gqa_heads(cfg: ModelConfig, window: int, tp: int, p: dict, cache: tuple, y: jax.Array,
-               pos: jax.Array, cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
-    """``reference._gqa`` on this chip's heads, stopping before o_proj: y [B*S, H] ->
-    o [B*S, (Hq/tp) D] (BF16 values) and the chip's cache [B, Hkv/tp, cap, D]. Kept step for step
-    with the reference (the tests check bit-identity)."""
-    kc, vc = cache
-    b, s = batch, pos.shape[0]
-    hq, hkv, d = cfg.q_heads // tp, cfg.kv_heads // tp, cfg.head_dim
-    qkv = _linear(y, p["wqkv"], p["bqkv"]).reshape(b, s, hq + 2 * hkv, d)
-    q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
-    c, sn = cos[pos][None, :, None, :], sin[pos][None, :, None, :]
-    k = _bf16(_rotate_half(k, c, sn))
-    q = _bf16(_rotate_half(q, c, sn) * jnp.float32(1 / np.sqrt(d)))
-    kc = lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3), (0, 0, pos[0], 0))
-    vc = lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3), (0, 0, pos[0], 0))
-    keys = jnp.arange(kc.shape[2])
-    valid = keys[None, :] <= pos[:, None]
-    if window:
-        valid &= keys[None, :] > pos[:, None] - window
-    g = hq // hkv
-    qg = q.reshape(b, s, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
-    sc = _mxu(qg, kc.transpose(0, 1, 3, 2))
-    sc = jnp.where(jnp.tile(valid, (g, 1)), sc, _MASKED)
-    sinks = jnp.repeat(p["sinks"].reshape(1, hkv, g, 1), s, axis=2) if cfg.sinks else None
-    o = _softmax_pv(sc, vc, sinks).reshape(b, hkv, g, s, d)
-    return _bf16(o).transpose(0, 3, 1, 2, 4).reshape(b * s, hq * d), (kc, vc)
-
-
-def _mla_heads(cfg: ModelConfig, tp: int, p: dict, cache: tuple, y: jax.Array, pos: jax.Array,
-               cos: jax.Array, sin: jax.Array, batch: int) -> tuple[jax.Array, tuple]:
-    """``reference._mla`` on this chip's heads, stopping before o_proj: o [B*S, (Hq/tp) Dv]; the
-    latent cache [B, cap, R + rope] is the same on every chip (shared by all heads). Decode steps
-    (S = 1) take the absorbed form, prefill the naive one, as the reference does."""
-    (lat,) = cache
-    b, s = batch, pos.shape[0]
-    h, nope, rope, r, vd = (cfg.q_heads // tp, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.kv_lora_rank,
-                            cfg.v_head_dim)
-    a = _linear(y, p["wqkv_a"])
-    q_a, c_kv, k_pe = a[:, :cfg.q_lora_rank], a[:, cfg.q_lora_rank:cfg.q_lora_rank + r], a[:, -rope:]
-    q = _linear(_rmsnorm(q_a, p["q_a_norm"], cfg.rms_eps), p["wq_b"]).reshape(b, s, h, nope + rope)
-    c_kv = _rmsnorm(c_kv, p["kv_a_norm"], cfg.rms_eps).reshape(b, s, r)
-    c, sn = cos[pos], sin[pos]
-    k_pe = _bf16(_rotate_half(_deinterleave(k_pe.reshape(b, s, rope)), c[None], sn[None]))
-    q_pe = _bf16(_rotate_half(_deinterleave(q[..., nope:]), c[None, :, None], sn[None, :, None]))
-    lat = lax.dynamic_update_slice(lat, jnp.concatenate([c_kv, k_pe], axis=-1), (0, pos[0], 0))
-    wkv = p["w_kv_b"].reshape(h, nope + vd, r)
-    valid = jnp.arange(lat.shape[1])[None, :] <= pos[:, None]
-    if s == 1:
-        q_lat = _bf16(_mxu(q[:, 0, :, :nope].transpose(1, 0, 2), wkv[:, :nope]))  # [H, B, R]
-        q_full = jnp.concatenate([q_lat, q_pe[:, 0].transpose(1, 0, 2)], axis=-1).transpose(1, 0, 2)
-        sc = _mxu(q_full, lat.transpose(0, 2, 1)) * jnp.float32(mla_softmax_scale(cfg))  # [B, H, cap]
-        sc = jnp.where(valid[0][None, None], sc, _MASKED)
-        o_lat = _bf16(_softmax_pv(sc, lat[..., :r], None))  # [B, H, R]
-        out = _bf16(_mxu(o_lat.transpose(1, 0, 2), wkv[:, nope:].transpose(0, 2, 1)))  # [H, B, V]
-        return out.transpose(1, 0, 2).reshape(b, h * vd), (lat,)
-    k_nope = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, :nope], precision="highest"))
-    v = _bf16(jnp.einsum("bnr,hdr->bhnd", lat[..., :r], wkv[:, nope:], precision="highest"))
-    sc = (jnp.einsum("bshd,bhnd->bhsn", q[..., :nope], k_nope, precision="highest")
-          + jnp.einsum("bshd,bnd->bhsn", q_pe, lat[..., r:], precision="highest"))
-    sc = sc * jnp.float32(mla_softmax_scale(cfg))
-    sc = jnp.where(valid, sc, _MASKED)
-    o = _bf16(_softmax_pv(sc, v, None)).transpose(0, 2, 1, 3).reshape(b * s, h * vd)
-    return o, (lat,)
-
-
 def _gather_mx(q: mx.MXArray) -> mx.MXArray:
     """The [T, I] MX activation from the tp chips' [T, I/tp] column slices (whole blocks each)."""
     return mx.MXArray(codes=lax.all_gather(q.codes, TP, axis=1, tiled=True),
@@ -322,33 +252,13 @@ def _gather_mx(q: mx.MXArray) -> mx.MXArray:
                       block_size=q.block_size)
 
 
-def _expert_cols(cfg: ModelConfig, ex: dict, xq: mx.MXArray, weight: jax.Array) -> jax.Array:
-    """``reference._expert`` with gate/up split by intermediate column and down by output column
-    over tp: weight [T, 1] * expert(x) F32 [T, H/tp]. The MXFP8 activation (whole 32-blocks per
-    chip) is all-gathered between them, so every down column sums the whole intermediate dimension
-    in the one-chip order. Written line for line as the reference (the tests check bit-identity;
-    ``out + weight * bias`` is kept as one expression because XLA fuses it into a multiply-add)."""
-    gate, up = mx.matmul(xq, ex["gate"]), mx.matmul(xq, ex["up"])
-    if ex["gate_bias"] is not None:
-        gate, up = gate + ex["gate_bias"][None], up + ex["up_bias"][None]
-    if cfg.activation == "swiglu_oai":
-        g = jnp.minimum(gate, jnp.float32(SWIGLU_LIMIT))
-        u = jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
-        act = g * jax.nn.sigmoid(g * jnp.float32(SWIGLU_ALPHA)) * (u + jnp.float32(1))
-    else:
-        act = gate * jax.nn.sigmoid(gate) * up
-    out = mx.matmul(_gather_mx(mx.quantize(act * weight, "e4m3", axis=1)), ex["down"])
-    if ex["down_bias"] is not None:
-        out = out + weight * ex["down_bias"][None]
-    return out
-
-
 def _local_expert_outputs(cfg: ModelConfig, stacked: dict, xq: mx.MXArray, weights: jax.Array) -> jax.Array:
     """This chip's experts (stacked [E_l, ...]) on all T tokens with routing weights [T, E_l]:
     F32 [E_l, T, H/tp] (one compiled scan body, as the reference's expert scan)."""
     def body(_, item):
         ex, w = item
-        return None, _expert_cols(cfg, ex, xq, w[:, None])
+        # the reference's expert, its down projection fed the all-gathered tp column slices
+        return None, _expert(cfg, ex, xq, w[:, None], gather=_gather_mx)
 
     return lax.scan(body, None, (stacked, weights.T))[1]
 
@@ -431,9 +341,9 @@ def _layer_body(cfg: ModelConfig, window: int, moe: bool, batch: int, tp: int, r
     h = _bf16(x + residual)
     y = _rmsnorm(h, p["attn_norm"], cfg.rms_eps)
     if cfg.attention == "gqa":
-        o, cache = _gqa_heads(cfg, window, tp, p, cache, y, pos, cos, sin, batch)
+        o, cache = gqa_heads(cfg, window, p, cache, y, pos, cos, sin, batch, tp=tp)
     else:
-        o, cache = _mla_heads(cfg, tp, p, cache, y, pos, cos, sin, batch)
+        o, cache = mla_heads(cfg, p, cache, y, pos, cos, sin, batch, tp=tp)
     h2 = _bf16(_row_parallel(o, p["wo"], p["bo"], reduce) + h)
     return _ffn(cfg, moe, reduce, p, _rmsnorm(h2, p["ffn_norm"], cfg.rms_eps)), h2, cache
 

@@ -23,7 +23,6 @@ so a cached figure is always what this code would compute.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -37,6 +36,7 @@ from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
+from jalapeno_emu.model.timing import gc_paused
 
 __all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "shared_timer"]
 
@@ -232,14 +232,9 @@ def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> di
     """Build the launch's Program and run the timing pass; the cyclic garbage collector is paused
     meanwhile (its collections would re-walk the hundreds of thousands of objects a Program is
     made of, costing more than building it; the Program is dropped afterwards)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         build = get_kernel(launch.kernel).build(shape, spec)
         return run_timing(build.program, spec).summary()
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _read_cache(path: Path) -> dict[str, LaunchTime]:

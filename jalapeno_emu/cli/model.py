@@ -73,8 +73,14 @@ def _steps(args: argparse.Namespace) -> list[Any]:
             for p in range(0, seq, chunk)]
 
 
-def _spec(args: argparse.Namespace):
-    return apply_overrides(load_preset(args.preset), args.overrides)
+def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
+    """(model config, chip spec with overrides, a fresh StepTimer, the steps) for layer/model."""
+    from jalapeno_emu.model import load_model_config
+    from jalapeno_emu.model.timing import StepTimer
+
+    cfg = load_model_config(args.model)
+    spec = apply_overrides(load_preset(args.preset), args.overrides)
+    return cfg, spec, StepTimer(spec), _steps(args)
 
 
 def _us(t: float) -> str:
@@ -94,13 +100,9 @@ def _kernel_table(title: str, rows: list[dict[str, Any]]) -> Table:
 
 def run_layer(app: App, args: argparse.Namespace) -> int:
     """Time one layer for one step (prefill: every chunk, summed)."""
-    from jalapeno_emu.model import load_model_config
-    from jalapeno_emu.model.timing import StepTimer, sum_timings, time_layer, write_layer_trace
+    from jalapeno_emu.model.timing import sum_timings, time_layer, write_layer_trace
 
-    cfg = load_model_config(args.model)
-    spec = _spec(args)
-    timer = StepTimer(spec)
-    steps = _steps(args)
+    cfg, spec, timer, steps = _setup(args)
     app.status(f"{cfg.name} layer {args.layer} {args.phase} on {spec.name}")
     timed = [time_layer(cfg, args.layer, s, timer=timer) for s in steps]
     kernels = [k for lt in timed for k in lt.kernels]
@@ -130,13 +132,9 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
 
 def run_model(app: App, args: argparse.Namespace) -> int:
     """Time a whole step (prefill: every chunk)."""
-    from jalapeno_emu.model import load_model_config
-    from jalapeno_emu.model.timing import StepTimer, time_model, write_layer_trace
+    from jalapeno_emu.model.timing import time_model, write_layer_trace
 
-    cfg = load_model_config(args.model)
-    spec = _spec(args)
-    timer = StepTimer(spec)
-    steps = _steps(args)
+    cfg, spec, timer, steps = _setup(args)
     app.status(f"{cfg.name} {args.phase} step on {spec.name}")
     reports = [time_model(cfg, s, timer=timer) for s in steps]
     docs = [r.as_dict() for r in reports]

@@ -13,9 +13,6 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
-from jalapeno_emu.chip import ChipSpec
-
-from .config import ModelConfig
 from .plan import Launch, Step
 from .weights import LayerWeights
 
@@ -31,7 +28,7 @@ CONSTANT_INPUTS = frozenset({"eps", "mask", "ones", "causal_mask"})
 (rmsnorm's eps, attention's additive mask tiles, moe's ones row): taken from there, never bound."""
 
 
-def pack_layer(cfg: ModelConfig, layer: int, lw: LayerWeights, spec: ChipSpec, batch: int) -> dict[str, Any]:
+def pack_layer(lw: LayerWeights) -> dict[str, Any]:
     """Per-layer weights in forms every step reuses (row vectors as [1, n], sinks as [Hq, 1]).
 
     The MoE tables depend on the launch's shape (the kernel's slice plan), so ``moe_inputs``

@@ -59,6 +59,17 @@ class StepResult:
     wall_s: float
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A built launch: its KernelBuild, the constant inputs its program needs (masks, eps), the
+    names of all its inputs (what its own ``make_inputs`` provides) and every tensor's shape."""
+
+    build: KernelBuild
+    consts: dict[str, Any]
+    inputs: frozenset[str]
+    shapes: dict[str, tuple[int, ...]]
+
+
 class DieModel:
     """Run a model's prefill and decode steps functionally on the emulated die.
 
@@ -78,7 +89,7 @@ class DieModel:
         self.spec = load_preset(preset) if isinstance(preset, str) else preset
         self.timer = StepTimer(self.spec)
         self.length = 0
-        self._builds: dict[tuple[str, tuple], tuple[KernelBuild, dict[str, Any], frozenset[str]]] = {}
+        self._builds: dict[tuple[str, tuple], _Prepared] = {}
         if cfg.attention == "gqa":
             shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
             self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
@@ -88,47 +99,46 @@ class DieModel:
             shape = (batch, max_positions, cfg.kv_lora_rank + cfg.qk_rope_dim)
             self.latent = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
             self.cos, self.sin = deepseek_rope_tables(cfg, max_positions)
-        self.packed = [bindings.pack_layer(cfg, i, lw, self.spec, batch)
-                       for i, lw in enumerate(weights.layers)]
+        self.packed = [bindings.pack_layer(lw) for lw in weights.layers]
 
     # --- launches -------------------------------------------------------------------------
-    def _build(self, launch: Launch) -> tuple[KernelBuild, dict[str, Any], frozenset[str]]:
-        """The launch's KernelBuild, the constant inputs its program needs (masks, eps, ones) and
-        the names of all its inputs (what its own ``make_inputs`` provides)."""
+    def _build(self, launch: Launch) -> _Prepared:
+        """The launch's KernelBuild with what every run of it needs, made once per distinct launch."""
         key = (launch.kernel, launch.shape)
         hit = self._builds.get(key)
         if hit is None:
             build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
             sample = build.make_inputs(0)
-            consts = {k: v for k, v in sample.items() if k in bindings.CONSTANT_INPUTS}
-            hit = (build, consts, frozenset(sample))
+            hit = _Prepared(
+                build=build,
+                consts={k: v for k, v in sample.items() if k in bindings.CONSTANT_INPUTS},
+                inputs=frozenset(sample),
+                shapes={name: tuple(shape) for name, (_, shape) in dict(build.program.meta)["tensors"]})
             self._builds[key] = hit
         return hit
 
     def run(self, launch: Launch, data: dict[str, Any]) -> dict[str, np.ndarray]:
         """Run one launch functionally with ``data`` (kernel layout) plus its constants; its
         outputs by name (the kernel's dtypes and shapes)."""
-        build, consts, needed = self._build(launch)
+        prep = self._build(launch)
         data = {k: v for k, v in data.items() if v is not None}
-        missing = sorted(needed - set(data) - set(consts))
+        missing = sorted(prep.inputs - set(data) - set(prep.consts))
         if missing:
             raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): no data bound for {missing}")
         # run_functional accepts an input smaller than its allocation (a partial write); a binding
         # must match the recorded shape exactly, or the kernel would read misplaced rows.
-        tensors = dict(dict(build.program.meta).get("tensors", {}))
         for name, value in data.items():
-            want = tensors.get(name, (None, None))[1]
+            want = prep.shapes.get(name)
             got = getattr(value, "shape", None)
-            if want is not None and got is not None and tuple(got) != tuple(want):
+            if want is not None and got is not None and tuple(got) != want:
                 raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): input {name!r} has shape "
-                                           f"{tuple(got)}, the program's tensor is {tuple(want)}")
-        result = run_functional(build.program, {**consts, **data})
-        return {name: result.read(name, dt, shp) for name, (dt, shp) in build.outputs.items()}
+                                           f"{tuple(got)}, the program's tensor is {want}")
+        result = run_functional(prep.build.program, {**prep.consts, **data})
+        return {name: result.read(name, dt, shp) for name, (dt, shp) in prep.build.outputs.items()}
 
     def tensor_shape(self, launch: Launch, name: str) -> tuple[int, ...]:
         """The HBM shape the launch's program records for tensor ``name``."""
-        build = self._build(launch)[0]
-        return tuple(dict(dict(build.program.meta)["tensors"])[name][1])
+        return self._build(launch).shapes[name]
 
     # --- steps ----------------------------------------------------------------------------
     def forward(self, ids: np.ndarray) -> StepResult:

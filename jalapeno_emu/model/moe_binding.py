@@ -21,12 +21,6 @@ if TYPE_CHECKING:
 __all__ = ["moe_inputs"]
 
 
-def _router_panels(wr: np.ndarray, plan: Any) -> np.ndarray:
-    """Wr [H, E] -> the kernel's HBM layout: R column panels of E/R columns stacked [R*H, E/R]."""
-    ew = plan.router_cols
-    return np.concatenate([wr[:, r * ew:(r + 1) * ew] for r in range(plan.router_parts)], axis=0)
-
-
 def _table(experts: tuple, plan: Any) -> np.ndarray:
     biases = {}
     if plan.expert_bias:
@@ -44,7 +38,7 @@ def moe_inputs(die: DieModel, layer: int, launch: Launch, x: np.ndarray) -> dict
         plan = moe_kernel.plan_moe(launch.shape_dict, die.spec)
         packed: dict[str, Any] = {}
         if lw.experts:
-            packed["router"] = _router_panels(lw.router, plan)
+            packed["router"] = moe_kernel.router_panels(lw.router, plan)
             packed["experts"] = _table(lw.experts, plan)
             if lw.router_bias is not None:
                 packed["router_bias"] = lw.router_bias[None, :]

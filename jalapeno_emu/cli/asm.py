@@ -9,14 +9,12 @@ failed run leaves no partial file behind. Bad input is one ``error:`` line and e
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from jalapeno_emu.cli.app import App
 from jalapeno_emu.errors import AssemblyError, InvalidArgumentError
+from jalapeno_emu.files import atomic_write
 from jalapeno_emu.isa.asm import assemble, disassemble, format_instruction
 from jalapeno_emu.isa.encoding import MAGIC, decode_program, encode_program
 from jalapeno_emu.isa.legality import check_program
@@ -62,21 +60,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
     if path.is_dir():
         raise InvalidArgumentError(f"{path}: is a directory; give a file name with -o")
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        atomic_write(path, lambda f: f.write(data))
     except OSError as exc:
         raise InvalidArgumentError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise InvalidArgumentError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -23,10 +23,7 @@ The ``bound`` of a kernel (``summary()["bound"]``) follows one rule, checked in 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +31,7 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Engine, Program
+from jalapeno_emu.files import atomic_write_json
 
 __all__ = ["BOUND_THRESHOLD", "CATEGORIES", "LATENCY_THRESHOLD", "Timeline"]
 
@@ -330,13 +328,4 @@ class Timeline:
     def write_chrome_trace(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         """Write ``to_chrome_trace(**kwargs)`` to ``path`` atomically (temp file, then os.replace),
         so a reader never sees half a trace."""
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".json", dir=os.path.dirname(path) or ".")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_chrome_trace(**kwargs), fh)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.to_chrome_trace(**kwargs))

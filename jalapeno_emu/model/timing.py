@@ -20,6 +20,7 @@ from typing import Any
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.timeline import Timeline
 from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.files import atomic_write_json
 from jalapeno_emu.kernels.registry import get_kernel
 
 from .config import ModelConfig
@@ -270,10 +271,6 @@ def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str
     """Chrome/Perfetto trace of launches run back to back: one process per launch (its engines
     as threads, times shifted to when the launch starts) and a ``launches`` process with one
     slice per kernel. Written atomically."""
-    import contextlib
-    import json
-    import tempfile
-
     events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0,
                                      "args": {"name": "launches"}},
                                     {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
@@ -296,13 +293,4 @@ def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str
                 events.append(ev)
             t0_us += k.time_s * 1e6
             pid += 1
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".json", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_json(path, {"traceEvents": events, "displayTimeUnit": "ns"})

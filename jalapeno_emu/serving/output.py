@@ -8,16 +8,15 @@ their flat dicts; nested fields (``tok_s_per_kw``) become dotted CSV columns
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.files import atomic_write
 
 __all__ = ["SCHEMA_VERSION", "atomic_write", "flatten", "read_points_json", "write_points_csv",
            "write_points_json"]
@@ -25,24 +24,6 @@ __all__ = ["SCHEMA_VERSION", "atomic_write", "flatten", "read_points_json", "wri
 SCHEMA_VERSION = 1
 """Version of the sweep JSON document (and of the CSV columns)."""
 JSON_KIND = "jalapeno-emu/serving-sweep"
-
-
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write`` on a temporary file beside ``path``, then rename it onto ``path``.
-
-    A reader never sees a half-written file, and a failure leaves ``path`` as it was.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _point_dict(point: Any) -> dict[str, Any]:

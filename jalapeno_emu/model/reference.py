@@ -32,6 +32,7 @@ import numpy as np
 from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.kernels.attention_ref import yarn_cos_sin
+from jalapeno_emu.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 from .config import ModelConfig
 from .plan import mla_softmax_scale
@@ -39,8 +40,6 @@ from .weights import LayerWeights, ModelWeights
 
 __all__ = ["ReferenceModel", "deepseek_rope_tables", "gqa_heads", "mla_heads", "rope_tables", "route"]
 
-SWIGLU_ALPHA = 1.702  # gpt-oss: glu * sigmoid(alpha * glu)
-SWIGLU_LIMIT = 7.0  # gpt-oss swiglu_limit
 _MASKED = -jnp.inf
 
 

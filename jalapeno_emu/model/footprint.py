@@ -11,19 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.chip import MX_BLOCK, ChipSpec
+from jalapeno_emu.isa.table import DTYPES
 
 from .config import ModelConfig
 
 __all__ = ["Footprint", "fmt_bytes_per_element", "footprint", "kv_cache_bytes", "layer_weight_bytes",
            "model_weight_bytes"]
 
-_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp8e4": 1.0 + 1.0 / 32, "fp4": 0.5 + 1.0 / 32}
-
-
 def fmt_bytes_per_element(fmt: str) -> float:
-    """Bytes one element takes in HBM (MX formats include their share of the 32-block scale)."""
-    return _BYTES_PER_ELEMENT[fmt]
+    """Bytes one element of ISA dtype ``fmt`` takes in HBM; MX formats include their share of
+    the one-byte E8M0 scale of each 32-element block."""
+    dt = DTYPES[fmt]
+    return dt.bits / 8 + (1 / MX_BLOCK if dt.mx_fmt else 0.0)
 
 
 def _attention_weight_bytes(cfg: ModelConfig) -> float:

@@ -37,7 +37,6 @@ only for each sequence's last token (what generation needs).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -240,8 +239,3 @@ def tail_launches(cfg: ModelConfig, step: Step) -> tuple[Launch, ...]:
             _launch("logits", "logits", tokens=rows, hidden=cfg.hidden, vocab=cfg.vocab,
                     weight_fmt=cfg.weight_fmt, act_fmt="bf16"))
 
-
-def describe(launch: Launch, keys: Mapping[str, Any] | None = None) -> str:
-    """A short ``kernel k=v ...`` string for tables (only the keys that vary between models)."""
-    shown = keys if keys is not None else launch.shape_dict
-    return launch.kernel + " " + " ".join(f"{k}={v}" for k, v in shown.items())

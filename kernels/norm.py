@@ -48,17 +48,27 @@ def rmsnorm_reference(x, residual, weight, eps: float):
     return y, h
 
 
-def _rows_per_tile(hidden: int, rows: int, spec: ChipSpec) -> int:
-    # Per buffer slot: x, residual, h, y in bf16 and one f32 scratch = 12 bytes per element.
+def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec) -> tuple[int, int]:
+    """(rows per tile, buffer slots): two slots (double-buffered) when a row fits twice, else one.
+
+    GPU presets' 228 KiB shared memory cannot hold two 7168-wide rows with their f32 scratch;
+    a single slot there serialises load, math and store of each tile, which is what fits."""
+    # Per slot and element: x, residual, h, y in bf16 and one f32 scratch = 12 bytes (the
+    # double-buffered sizing counts all five even without the residual, as it always has).
     per_row = 12 * hidden
     budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) // 2 - 4 * hidden
     # At least four tiles per core when there are rows enough, so loads, math and stores overlap.
     r = min(-(-rows // 4), budget // per_row)
-    if r < 1:
-        raise InvalidArgumentError(
-            f"hidden={hidden} needs {per_row * 2 + 4 * hidden:,} B of scratchpad for one row "
-            f"double-buffered; {spec.name} has {spec.sram.scratchpad_bytes:,} B per core")
-    return r
+    if r >= 1:
+        return r, 2
+    # One slot: only the buffers the variant uses (x, y, f32 scratch; residual and h when fused).
+    per_row_single = (12 if fused else 8) * hidden
+    r = min(-(-rows // 4), (int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 4 * hidden) // per_row_single)
+    if r >= 1:
+        return r, 1
+    raise InvalidArgumentError(
+        f"hidden={hidden} needs {per_row_single + 4 * hidden:,} B of scratchpad for one row; "
+        f"{spec.name} has {spec.sram.scratchpad_bytes:,} B per core")
 
 
 def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
@@ -68,7 +78,7 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         raise InvalidArgumentError(f"shape key eps={eps} must be positive")
     cores = min(spec.core.count, t)
     rows_per_core = -(-t // cores)
-    r = _rows_per_tile(h, rows_per_core, spec)
+    r, n_slots = _tiling(h, rows_per_core, fused, spec)
     kb = KernelBuilder(f"rmsnorm_{t}x{h}", chip=spec)
     x_h = kb.hbm("x", (t, h), "bf16")
     res_h = kb.hbm("residual", (t, h), "bf16") if fused else None
@@ -84,8 +94,9 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         w = kb.sram(c, "w", (1, h), "bf16")
         eps_t = kb.sram(c, "eps", (1, 1), "f32")
         slots = []
-        for s in range(2):
-            slots.append({name: kb.sram(c, f"{name}{s}", (r, h), "bf16") for name in ("x", "r", "h", "y")}
+        for s in range(n_slots):
+            slots.append({name: kb.sram(c, f"{name}{s}", (r, h), "bf16")
+                          for name in (("x", "r", "h", "y") if fused else ("x", "y"))}
                          | {"f": kb.sram(c, f"f{s}", (r, h), "f32"),
                             "ss": kb.sram(c, f"ss{s}", (r, 1), "f32"),
                             "loaded": kb.semaphore(f"c{c}.loaded{s}"),
@@ -98,8 +109,8 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         core.vpu.wait(consts, 1)
         for i, r0 in enumerate(range(lo, hi, r)):
             n = min(r, hi - r0)
-            sl = slots[i % 2]
-            use = i // 2 + 1  # how many times this slot has been used, this one included
+            sl = slots[i % n_slots]
+            use = i // n_slots + 1  # how many times this slot has been used, this one included
             tile = {k: (v.sub(0, 0, n, v.cols) if hasattr(v, "sub") else v) for k, v in sl.items()}
             q_load, q_store = core.dma[0], core.dma[1]
             if use > 1:  # the slot's previous tile must have been stored
@@ -150,7 +161,7 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         tolerance=Tolerance(atol=1e-6, rtol=2.0**-7, why="the sum of squares is accumulated in "
                             "column order on the vector unit and pairwise in XLA: the f32 scale "
                             "may differ in the last bits, which can move y by one bf16 ulp"),
-        notes={"rows_per_tile": r, "cores": cores},
+        notes={"rows_per_tile": r, "buffer_slots": n_slots, "cores": cores},
     )
 
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from rich.markup import escape
 
 from jalapeno_emu import __version__
-from jalapeno_emu.cli import asm, bench, chip, demo, kernel, model, rack, run
+from jalapeno_emu.cli import asm, bench, chip, demo, kernel, model, rack, run, validate
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.errors import EmuError
 
-COMMANDS = (demo, chip, asm, run, bench, kernel, model, rack)
+COMMANDS = (demo, chip, asm, run, bench, kernel, model, rack, validate)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -19,6 +19,12 @@ a JSON-lines file under ``$JALAPENO_EMU_CACHE_DIR`` (default ``~/.cache/jalapeno
 a hash of the chip spec and a hash of the source of every module that decides a Program or its
 timing (kernels, ISA, emulator, chip spec, MX numerics). Editing any of them starts a new file,
 so a cached figure is always what this code would compute.
+
+**Re-timing** (for calibration): ``keep_programs=True`` keeps every Program built, so
+:meth:`LaunchTimer.program` hands it to a timer of a spec that differs only in timing fields (a
+subclass overriding :meth:`LaunchTimer._timed_summary`, e.g. ``jalapeno_emu.validation.retime``),
+which re-runs the timing pass instead of rebuilding; :func:`install_timer` makes such a timer the
+one :func:`shared_timer` (hence the rack step model) uses for its spec.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
 
-__all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "shared_timer"]
+__all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "install_timer", "shared_timer"]
 
 BATCH_KEYS: dict[str, str] = {
     "gemm": "m",
@@ -134,11 +140,19 @@ class LaunchTimer:
         spec: the chip (a preset name or a ChipSpec).
         disk_cache: also keep figures on disk across processes (see the module docstring); a path
             chooses the directory.
+        keep_programs: keep every Program built (for :meth:`program`; memory grows with them).
     """
 
-    def __init__(self, spec: ChipSpec | str, *, disk_cache: bool | str | os.PathLike[str] = False) -> None:
+    def __init__(
+        self,
+        spec: ChipSpec | str,
+        *,
+        disk_cache: bool | str | os.PathLike[str] = False,
+        keep_programs: bool = False,
+    ) -> None:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
         self._times: dict[tuple[str, tuple], LaunchTime] = {}
+        self._programs: dict[tuple[str, tuple], Any] | None = {} if keep_programs else None
         self.builds = 0
         """Programs built and timed in this process (cache misses)."""
         self.build_wall_s = 0.0
@@ -178,11 +192,39 @@ class LaunchTimer:
         """Seconds of ``launch`` (see :meth:`time`)."""
         return self.time(launch).time_s
 
+    def program(self, launch: Launch) -> Any:
+        """The Program of ``launch`` built on this timer's spec (kept when ``keep_programs``).
+
+        Raises:
+            InvalidArgumentError: the kernel refuses the shape on this spec.
+        """
+        key = (launch.kernel, launch.shape)
+        prog = self._programs.get(key) if self._programs is not None else None
+        if prog is None:
+            with gc_paused():
+                prog = get_kernel(launch.kernel).build(launch.shape_dict, self.spec).program
+            if self._programs is not None:
+                self._programs[key] = prog
+        return prog
+
+    def drop_programs(self) -> None:
+        """Forget the kept Programs (their memory); figures stay cached."""
+        if self._programs is not None:
+            self._programs.clear()
+
+    def _timed_summary(self, launch: Launch, shape: dict[str, Any]) -> dict[str, Any]:
+        """The timing pass's summary of ``launch`` on this spec (built here unless programs are kept)."""
+        if self._programs is not None:
+            prog = self.program(launch)
+            with gc_paused():
+                return run_timing(prog, self.spec).summary()
+        return _build_and_time(launch, shape, self.spec)
+
     def _measure(self, launch: Launch, split: bool) -> LaunchTime:
         shape = launch.shape_dict
         t0 = time.perf_counter()
         try:
-            s = _build_and_time(launch, shape, self.spec)
+            s = self._timed_summary(launch, shape)
         except InvalidArgumentError as exc:
             if not split:
                 raise
@@ -260,6 +302,13 @@ def _read_cache(path: Path) -> dict[str, LaunchTime]:
 
 
 _SHARED: dict[tuple[str, str, bool], LaunchTimer] = {}
+
+
+def install_timer(timer: LaunchTimer, *, disk_cache: bool = False) -> None:
+    """Make ``timer`` the one :func:`shared_timer` returns for its spec and cache setting (the
+    calibration's re-timing timers); a later install for the same spec replaces it."""
+    spec = timer.spec
+    _SHARED[(spec.name, _spec_fingerprint(spec), bool(disk_cache))] = timer
 
 
 def shared_timer(spec: ChipSpec | str, *, disk_cache: bool = False) -> LaunchTimer:

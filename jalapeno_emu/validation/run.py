@@ -1,0 +1,271 @@
+"""Predict every measured point, calibrate the GPU timing knobs per family, report the errors.
+
+Stage: validation, the engine behind ``jalapeno-emu validate``.
+
+A row is predicted with :func:`jalapeno_emu.rack.deployment.predict` on its preset at its
+ISL/OSL/concurrency, on the 8 GPUs of one node (the stated TP8 mapping where the source gives it,
+else the best mapping for throughput per GPU: the points are each GPU's highest-throughput
+configuration), kernel timings cached on disk.
+
+Calibration is per GPU family (NVIDIA: b200, h100, h200; AMD: mi300x, mi325x, mi355x): the knobs
+stand for the software stack (CUDA/NCCL/TensorRT-LLM vs ROCm/RCCL) as much as for the silicon, and
+one setting shared by a family's presets keeps enough fitted rows per fit. Steps:
+
+1. ``fit`` rows at every setting of the grid (:data:`~jalapeno_emu.validation.retime.DEFAULT_GRID`),
+   the preset's own values first (a row that fails there is ``not-predicted`` with the reason);
+   ``predicted-only`` rows at the preset's values;
+2. per family, the setting of lowest MAPE over its fit rows, and leave-one-out (fit on the others,
+   predict the one left out);
+3. ``predicted-only`` rows again at their family's calibrated setting.
+
+The presets' files are never changed: calibrated values are reported only.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.errors import EmuError, InvalidArgumentError
+from jalapeno_emu.rack.deployment import predict
+from jalapeno_emu.rack.launch_timer import LaunchTimer, install_timer
+from jalapeno_emu.validation.calibrate import fit_setting, leave_one_out, mape, relative_errors
+from jalapeno_emu.validation.points import METRICS, load_points
+from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, RetimedTimer, knob_spec
+from jalapeno_emu.validation.rows import RowPlan, model_config, plan_row
+
+__all__ = ["FAMILIES", "NODE_GPUS", "parse_rows", "run_validation"]
+
+FAMILIES = {"b200": "nvidia", "h100": "nvidia", "h200": "nvidia", "mi300x": "amd", "mi325x": "amd",
+            "mi355x": "amd"}
+"""Preset -> the family whose fit rows calibrate it."""
+
+NODE_GPUS = 8
+_COLS = list(METRICS)
+Progress = Callable[[str], None]
+
+
+def parse_rows(spec: str, count: int) -> list[int]:
+    """1-based row numbers from ``"1-5,17,30"``.
+
+    Raises:
+        InvalidArgumentError: not integers or ranges, or outside 1..count.
+    """
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        lo, _, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise InvalidArgumentError(f"--rows {spec!r}: {part!r} is not N or N-M") from None
+        if not 1 <= a <= b <= count:
+            raise InvalidArgumentError(f"--rows {spec!r}: {part!r} is outside rows 1..{count}")
+        out.extend(r for r in range(a, b + 1) if r not in out)
+    if not out:
+        raise InvalidArgumentError(f"--rows {spec!r} selects no row")
+    return out
+
+
+def _predict_row(plan: RowPlan, spec: ChipSpec) -> tuple[str, np.ndarray]:
+    """(mapping, float[M] predicted metrics) of ``plan`` on ``spec``."""
+    p = plan.point
+    assert p.concurrency is not None
+    pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=plan.mapping,
+                   objective="throughput", chips=NODE_GPUS, disk_cache=True)
+    d = pred.as_dict()
+    vals = [d[METRICS[c]] for c in _COLS]
+    return pred.mapping.name, np.array([math.nan if v is None else float(v) for v in vals])
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, EmuError) else f"internal error (a bug) {type(exc).__name__}: {text}"
+
+
+class _Group:
+    """Timers of one preset: the base one keeps Programs; each knob setting gets a RetimedTimer."""
+
+    def __init__(self, preset: str) -> None:
+        self.spec = load_preset(preset)
+        self.base = LaunchTimer(self.spec, disk_cache=True, keep_programs=True)
+        install_timer(self.base, disk_cache=True)
+        self.specs: dict[KnobSetting, ChipSpec] = {}
+
+    def spec_of(self, setting: KnobSetting) -> ChipSpec:
+        spec = self.specs.get(setting)
+        if spec is None:
+            spec = self.specs[setting] = knob_spec(self.spec, setting)
+            if spec is not self.spec:
+                install_timer(RetimedTimer(spec, self.base, disk_cache=True), disk_cache=True)
+        return spec
+
+
+def _identity(grid: Sequence[KnobSetting], spec: ChipSpec) -> int:
+    for i, s in enumerate(grid):
+        if knob_spec(spec, s) is spec:
+            return i
+    raise InvalidArgumentError(f"the knob grid lacks {spec.name}'s own values (0.9, x1, 0.85, x1)")
+
+
+def run_validation(
+    rows: Sequence[int] | None = None,
+    *,
+    grid: Sequence[KnobSetting] = DEFAULT_GRID,
+    calibrate: bool = True,
+    progress: Progress | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Predict the selected rows (all when None), calibrate and report (see the module docstring).
+
+    Args:
+        rows: 1-based CSV rows; grid: the knob settings; calibrate: False predicts at the
+            presets' own values only; progress: called after each prediction with a label;
+            on_plan: called once with the number of predictions planned.
+
+    Returns:
+        JSON-ready dict: ``rows`` (one record per selected row), ``summary`` (MAPE before and
+        after calibration, leave-one-out, calibrated knobs per family), ``grid``, ``wall_s``.
+    """
+    t0 = time.perf_counter()
+    points = load_points()
+    chosen = [points[r - 1] for r in rows] if rows else points
+    plans = [plan_row(p) for p in chosen]
+    grid = list(grid)
+    ids = {name: _identity(grid, load_preset(name)) for name in {p.preset for p in plans if p.preset}}
+    n_set = len(grid) if calibrate else 1
+    on_plan and on_plan(sum(n_set if p.cls == "fit" else 1 for p in plans if p.cls != "not-predicted"))
+    P = np.full((len(grid), len(plans), len(_COLS)), np.nan)
+    measured = np.array([[p.point.measured().get(c, np.nan) for c in _COLS] for p in plans])
+    cls = [p.cls for p in plans]
+    reasons = [list(p.reasons) for p in plans]
+    mappings: list[str | None] = [None] * len(plans)
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(plans):
+        if p.cls != "not-predicted":
+            groups.setdefault(p.preset or "", []).append(i)
+    for preset, members in groups.items():
+        g = _Group(preset)
+        for i in members:
+            order = [ids[preset]] + ([s for s in range(len(grid)) if s != ids[preset]]
+                                     if calibrate and cls[i] == "fit" else [])
+            for s in order:
+                try:
+                    mappings[i], P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]))
+                except Exception as exc:  # every failure becomes the row's reason
+                    if s == ids[preset]:
+                        cls[i], reasons[i] = "not-predicted", [*reasons[i], _one_line(exc)]
+                        break
+                finally:
+                    progress and progress(f"row {plans[i].point.row} {preset} {grid[s].label}")
+        g.base.drop_programs()
+    summary, calibrated = _summarise(plans, cls, P, measured, grid, ids, calibrate)
+    for i in _predicted_only(cls):
+        s = calibrated.get(FAMILIES[plans[i].preset or ""])
+        if s is not None and s != ids[plans[i].preset or ""]:
+            g = _Group(plans[i].preset or "")
+            try:
+                _, P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]))
+            except Exception as exc:  # reported with the row
+                reasons[i].append(f"at the calibrated knobs: {_one_line(exc)}")
+            g.base.drop_programs()
+    summary["mape_predicted_only"] = _mape_block(
+        _predicted_only(cls), P, measured, [ids.get(p.preset or "", 0) for p in plans],
+        [calibrated.get(FAMILIES.get(p.preset or "", ""), -1) for p in plans])
+    records = [_record(i, plans[i], cls[i], reasons[i], mappings[i], P, measured, ids, calibrated, summary)
+               for i in range(len(plans))]
+    return {"rows": records, "summary": summary, "grid": [s.label for s in grid],
+            "wall_s": time.perf_counter() - t0}
+
+
+def _predicted_only(cls: Sequence[str]) -> list[int]:
+    return [i for i, c in enumerate(cls) if c == "predicted-only"]
+
+
+def _errs(P: np.ndarray, measured: np.ndarray, i: int, s: int) -> np.ndarray:
+    return relative_errors(P[s, i], measured[i]) if s >= 0 else np.full(len(_COLS), np.nan)
+
+
+def _mape_block(idx: Sequence[int], P: np.ndarray, measured: np.ndarray, before: Sequence[int],
+                after: Sequence[int]) -> dict[str, Any]:
+    b = np.array([_errs(P, measured, i, before[i]) for i in idx]).reshape(-1, len(_COLS))
+    a = np.array([_errs(P, measured, i, after[i]) for i in idx]).reshape(-1, len(_COLS))
+    return {"rows": len(idx), "before": mape(b), "after": mape(a) if any(x >= 0 for x in after) else None,
+            "before_per_metric": dict(zip(_COLS, np.atleast_1d(mape(b, axis=(0,))).tolist(), strict=True))
+            if len(idx) else {}}
+
+
+def _summarise(plans, cls, P, measured, grid, ids, calibrate) -> tuple[dict[str, Any], dict[str, int]]:
+    """Per family: calibrated setting, MAPE before/after, LOO; overall fit-row MAPE."""
+    fams: dict[str, Any] = {}
+    calibrated: dict[str, int] = {}
+    loo_all: list[np.ndarray] = []
+    before_all, after_all = [], []
+    for fam in sorted(set(FAMILIES.values())):
+        idx = [i for i, p in enumerate(plans) if cls[i] == "fit" and FAMILIES.get(p.preset or "") == fam]
+        if not idx:
+            continue
+        before = np.array([_errs(P, measured, i, ids[plans[i].preset]) for i in idx])
+        before_all.append(before)
+        entry: dict[str, Any] = {"fit_rows": [plans[i].point.row for i in idx], "mape_before": mape(before)}
+        if calibrate:
+            s, per_setting = fit_setting(P, measured, idx)
+            calibrated[fam] = s
+            after = relative_errors(P[s][idx], measured[idx])
+            after_all.append(after)
+            loo, chosen = leave_one_out(P, measured, idx)
+            loo_all.append(loo)
+            presets = sorted({plans[i].preset for i in idx})
+            entry.update(
+                setting=grid[s].as_dict(), setting_label=grid[s].label, mape_after=mape(after),
+                loo_mape=mape(loo), loo_settings=[grid[c].label if c >= 0 else None for c in chosen],
+                knobs={p: grid[s].values(load_preset(p)) for p in presets},
+                mape_per_setting=dict(zip([g.label for g in grid], per_setting.tolist(), strict=True)),
+            )
+        fams[fam] = entry
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros((0, len(_COLS)))  # noqa: E731
+    summary = {
+        "metrics": {c: METRICS[c] for c in _COLS},
+        "families": fams,
+        "mape_fit": {"rows": sum(len(f["fit_rows"]) for f in fams.values()), "before": mape(cat(before_all)),
+                     "after": mape(cat(after_all)) if calibrate else None,
+                     "loo": mape(cat(loo_all)) if calibrate else None},
+        "classes": {c: cls.count(c) for c in ("fit", "predicted-only", "not-predicted")},
+    }
+    return summary, calibrated
+
+
+def _metric_dict(v: np.ndarray) -> dict[str, float | None]:
+    return {c: (None if not math.isfinite(x) else float(x)) if not math.isinf(x) else None
+            for c, x in zip(_COLS, v.tolist(), strict=True)}
+
+
+def _record(i, plan, cls, reasons, mapping, P, measured, ids, calibrated, summary) -> dict[str, Any]:
+    p = plan.point
+    rec: dict[str, Any] = {
+        "row": p.row, "hardware": p.hardware, "model": p.model, "precision": p.precision, "isl": p.isl,
+        "osl": p.osl, "concurrency": p.concurrency, "framework": p.framework, "mtp": p.mtp,
+        "preset": plan.preset, "config": plan.model, "expert_weight_fmt": plan.expert_weight_fmt,
+        "weight_fmt": plan.weight_fmt, "stated_mapping": plan.mapping, "mapping": mapping, "class": cls,
+        "reasons": reasons, "hardware_note": plan.hardware_note, "format_note": plan.format_note,
+        "measured": _metric_dict(measured[i]),
+    }
+    if cls != "not-predicted" and plan.preset:
+        s0 = ids[plan.preset]
+        rec["predicted"] = _metric_dict(P[s0, i])
+        rec["error"] = _metric_dict(_errs(P, measured, i, s0))
+        s = calibrated.get(FAMILIES[plan.preset])
+        if s is not None:
+            rec["predicted_calibrated"] = _metric_dict(P[s, i])
+            rec["error_calibrated"] = _metric_dict(_errs(P, measured, i, s))
+        fam = summary["families"].get(FAMILIES[plan.preset], {})
+        if cls == "fit" and "loo_settings" in fam:
+            k = fam["fit_rows"].index(p.row)
+            loo_s = fam["loo_settings"][k]
+            rec["loo_setting"] = loo_s
+    return rec

@@ -1,0 +1,72 @@
+"""The validate pipeline end to end: orchestration with a stand-in prediction of known answer, one
+real (cheap) run of rows that cannot be predicted, and the CLI contract."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jalapeno_emu.cli.main import main
+from jalapeno_emu.validation import run as vrun
+from jalapeno_emu.validation.points import METRICS
+from jalapeno_emu.validation.retime import DEFAULT_GRID
+
+
+def _stand_in(plan, spec):
+    """Exact at hbm.efficiency 0.75 and the preset's launch cost; error grows away from them."""
+    m = plan.point.measured()
+    base = spec.name.split("~")[0]
+    from jalapeno_emu.chip import load_preset
+
+    launch_scale = spec.sync.kernel_launch_s / load_preset(base).sync.kernel_launch_s
+    f = spec.hbm.efficiency / 0.75 * (1 + 0.1 * abs(math.log2(launch_scale)))
+    return "tp=8", np.array([m.get(c, 1.0) * f for c in METRICS])
+
+
+def test_calibration_finds_the_known_setting_and_reports_every_row(monkeypatch):
+    monkeypatch.setattr(vrun, "_predict_row", _stand_in)
+    rows = [17, 19, 22, 25, 27, 1, 14]  # NVIDIA fit rows, one disaggregated, one without concurrency
+    doc = vrun.run_validation(rows)
+    s = doc["summary"]
+    nv = s["families"]["nvidia"]
+    assert nv["setting"]["hbm_efficiency"] == 0.75 and nv["setting"]["launch_scale"] == 1.0
+    assert nv["mape_before"] == pytest.approx(0.2)  # 0.9 / 0.75 - 1 on every metric
+    assert nv["mape_after"] == pytest.approx(0.0) and nv["loo_mape"] == pytest.approx(0.0)
+    assert nv["knobs"]["b200"]["hbm.efficiency"] == 0.75
+    assert nv["knobs"]["h100"]["sync.kernel_launch_s"] == pytest.approx(3e-6)
+    assert s["mape_fit"]["rows"] == 5 and s["mape_fit"]["after"] == pytest.approx(0.0)
+    assert s["classes"] == {"fit": 5, "predicted-only": 1, "not-predicted": 1}
+    po = s["mape_predicted_only"]
+    assert po["rows"] == 1 and po["before"] == pytest.approx(0.2) and po["after"] == pytest.approx(0.0)
+    by_row = {r["row"]: r for r in doc["rows"]}
+    assert [r["row"] for r in doc["rows"]] == rows
+    assert by_row[17]["error"]["tok_s_user"] == pytest.approx(0.2)
+    assert by_row[17]["error_calibrated"]["tput_per_gpu"] == pytest.approx(0.0)
+    assert by_row[14]["class"] == "not-predicted" and "predicted" not in by_row[14]
+    assert len(doc["grid"]) == len(DEFAULT_GRID)
+
+
+def test_a_failing_prediction_is_not_predicted_with_its_one_line_reason(monkeypatch):
+    from jalapeno_emu.rack.mapping import FitError
+
+    def refuse(plan, spec):
+        raise FitError(f"{plan.model} on {spec.name}: 1,000.0 GB of weights exceed\n 180.0 GB")
+
+    monkeypatch.setattr(vrun, "_predict_row", refuse)
+    doc = vrun.run_validation([17], calibrate=False)
+    r = doc["rows"][0]
+    assert r["class"] == "not-predicted" and r["reasons"] == [
+        "gpt-oss-120b on b200: 1,000.0 GB of weights exceed 180.0 GB"]
+    assert doc["summary"]["classes"]["not-predicted"] == 1
+
+
+def test_cli_json_and_errors(capsys):
+    assert main(["validate", "--rows", "13-16", "--no-calibrate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["command"] == "validate" and len(doc["rows"]) == 4
+    assert all(r["class"] == "not-predicted" for r in doc["rows"])
+    assert doc["summary"]["mape_fit"]["before"] is None  # no fit row: NaN is written as null
+    assert main(["validate", "--rows", "99"]) == 2
+    err = capsys.readouterr().err
+    assert "outside rows 1..61" in err and len(err.strip().splitlines()) == 1

@@ -163,7 +163,7 @@ def run_validation(
                         break
                 finally:
                     progress and progress(f"row {plans[i].point.row} {preset} {grid[s].label}")
-        g.base.drop_programs()
+            g.base.drop_programs()  # Programs are large: keep one row's (its settings re-time them)
     summary, calibrated = _summarise(plans, cls, P, measured, grid, ids, calibrate)
     for i in _predicted_only(cls):
         s = calibrated.get(FAMILIES[plans[i].preset or ""])

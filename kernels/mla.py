@@ -87,7 +87,7 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.builder import KernelBuilder, Semaphore
 
 from .attention_ref import MASK_VALUE
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
@@ -286,14 +286,19 @@ class _Flash:
     in-order engine, so the j-th signal means "tile j done".
     """
 
-    def __init__(self, kb: KernelBuilder, c: int, rows: int, tcols: int, dv: int, scale: float) -> None:
-        self.kb, self.core, self.scale = kb, kb.core(c), scale
+    def __init__(self, kb: KernelBuilder, c: int, rows: int, tcols: int, dv: int, scale: float,
+                 states: int = 2, pv_cols: int = 0) -> None:
+        """``states`` 2 lets query block i+1's softmax start before block i's last update; 1
+        halves the FP32 output state (small scratchpads) and issues that update first.
+        ``pv_cols`` (0: dv) is the width of the FP32 buffer PV tiles are read into, column
+        chunk by column chunk."""
+        self.kb, self.core, self.scale, self.states = kb, kb.core(c), scale, states
         self.acc_s = [kb.acc(c, f"fl.acc_s{i}", (rows, tcols)) for i in range(2)]
         self.acc_pv = [kb.acc(c, f"fl.acc_pv{i}", (rows, dv)) for i in range(2)]
         self.s = kb.sram(c, "fl.s", (rows, tcols), "f32")
         self.p = [kb.sram(c, f"fl.p{i}", (rows, tcols), "bf16") for i in range(2)]
-        self.o = [kb.sram(c, f"fl.o{i}", (rows, dv), "f32") for i in range(2)]
-        self.pv_f = kb.sram(c, "fl.pv", (rows, dv), "f32")
+        self.o = [kb.sram(c, f"fl.o{i}", (rows, dv), "f32") for i in range(states)]
+        self.pv_f = kb.sram(c, "fl.pv", (rows, pv_cols or dv), "f32")
         col = {n: kb.sram(c, f"fl.{n}", (rows, 1), "f32") for n in
                ("m0", "m1", "l0", "l1", "a0", "a1", "mt", "mnew", "lt", "linv")}
         self.m, self.l, self.alpha = [col["m0"], col["m1"]], [col["l0"], col["l1"]], [col["a0"], col["a1"]]
@@ -314,9 +319,14 @@ class _Flash:
                 self._scores(base + j, tiles[j], mxu)
             if j >= 1:
                 self._pv(base + j - 1, tiles[j - 1], mxu)
-            if j < len(tiles):  # vector unit: softmax of tile j, then the output update of j-1
+            # vector unit: softmax of tile j, then the output update of j-1; with one state a
+            # new query block's softmax must wait until the previous block is finished
+            update_first = self.states == 1 and 1 <= j < len(tiles) and tiles[j].first
+            if update_first:
+                self._update(base + j - 1, tiles[j - 1], vpu)
+            if j < len(tiles):
                 self._softmax(base + j, tiles[j], vpu)
-            if j >= 1:
+            if j >= 1 and not update_first:
                 self._update(base + j - 1, tiles[j - 1], vpu)
         self.g = base + len(tiles)
 
@@ -335,7 +345,7 @@ class _Flash:
         mxu.signal(self.pv_done)
 
     def _softmax(self, g: int, t: _FlashTile, v) -> None:
-        r, n, k = t.rows, t.cols, t.state
+        r, n, k = t.rows, t.cols, t.state % self.states
         s = self.s.sub(0, 0, r, n)
         p = self.p[g % 2].sub(0, 0, r, n)
         m, l_, a = self.m[k].sub(0, 0, r, 1), self.l[k].sub(0, 0, r, 1), self.alpha[g % 2].sub(0, 0, r, 1)
@@ -368,24 +378,31 @@ class _Flash:
         v.signal(self.p_ready)
 
     def _update(self, g: int, t: _FlashTile, v) -> None:
-        r, k = t.rows, t.state
+        r, k = t.rows, t.state % self.states
         o, pv = self.o[k].sub(0, 0, r, self.o[k].cols), self.pv_f.sub(0, 0, r, self.pv_f.cols)
         v.wait(self.pv_done, g + 1)
         if t.first:
             v.acc_read(o, self.acc_pv[g % 2].sub(0, 0, r, o.cols))
-        else:
+        elif pv.cols == o.cols:
             v.acc_read(pv, self.acc_pv[g % 2].sub(0, 0, r, o.cols))
             v.mul(o, o, self.alpha[g % 2].sub(0, 0, r, 1))
             v.add(o, o, pv)
+        else:  # the same FP32 operations, elementwise, a column chunk at a time
+            v.mul(o, o, self.alpha[g % 2].sub(0, 0, r, 1))
+            for c0 in range(0, o.cols, pv.cols):
+                w = min(pv.cols, o.cols - c0)
+                v.acc_read(pv.sub(0, 0, r, w), self.acc_pv[g % 2].sub(0, c0, r, w))
+                v.add(o.sub(0, c0, r, w), o.sub(0, c0, r, w), pv.sub(0, 0, r, w))
         v.signal(self.pv_free)
         if t.last:
             v.recip(self.linv.sub(0, 0, r, 1), self.l[k].sub(0, 0, r, 1))
             t.finish(o, self.linv.sub(0, 0, r, 1))
 
     @staticmethod
-    def sram_bytes(rows: int, tcols: int, dv: int) -> int:
+    def sram_bytes(rows: int, tcols: int, dv: int, states: int = 2, pv_cols: int = 0) -> int:
         """Scratchpad the loop's buffers take (excluding alignment)."""
-        return rows * tcols * (4 + 2 * 2) + rows * dv * 4 * 3 + 10 * max(rows * 4, 64)
+        return (rows * tcols * (4 + 2 * 2) + rows * dv * 4 * states + rows * (pv_cols or dv) * 4
+                + 10 * max(rows * 4, 64))
 
     @staticmethod
     def acc_bytes(rows: int, tcols: int, dv: int) -> int:
@@ -437,8 +454,10 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             f"{acc_fixed:,} B of accumulators before any context tile; {spec.name} has "
             f"{cap_s:,} B and {cap_a:,} B per core")
     acc_fit = (cap_a - acc_fixed) // (2 * H * 4) // 32 * 32  # scores accumulators, double-buffered
-    if acc_fit < 32:
-        raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
+    if acc_fit < 32 or (cap_s - sram_fixed) // per_sram < 32:
+        # Small scratchpads (GPU presets): weights and all heads' output state cannot stay on
+        # the core; the phases go through HBM instead.
+        return _build_mla_decode_small(shape, spec)
     T = _pick_tile(min(_MAX_DECODE_TILE, acc_fit), span, sram_fixed, per_sram, cap_s, what,
                    shape["kv_tile"])
     # Spare scratchpad buys deeper prefetch: a tile's load (set-up + latency + bytes) takes longer
@@ -600,6 +619,313 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     )
 
 
+# --- small scratchpads (GPU presets): phases through HBM ---------------------------------------
+_SMALL_HEAD_GROUPS = (128, 64, 32, 16, 8, 4, 2, 1)  # heads per attention item, largest first
+_SMALL_PV_COLS = 128  # FP32 columns of PV read back at a time on the small-scratchpad path
+
+
+def _view(arena: Tile, dtype: str, rows: int, cols: int, byte_off: int = 0) -> Tile:
+    """A packed [rows, cols] tile of ``dtype`` inside ``arena`` (a byte region reused over phases)."""
+    t = Tile(arena.space, arena.core, arena.offset + byte_off, dtype, rows, cols)
+    if t.end > arena.offset + arena.nbytes:
+        raise AssertionError(f"{t} is not inside {arena}")  # a kernel bug, not bad input
+    return t
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+@dataclass
+class _GemmJob:
+    """One output tile of a small per-head GEMM: acc = sum over K panels of a @ b (or a @ b^T),
+    rounded to BF16 and stored to ``dst``. panels: (a HBM [m, k], b HBM [k, n] or [n, k])."""
+
+    panels: list[tuple[Tile, Tile]]
+    dst: Tile
+    transposed: bool
+
+
+def _emit_gemm_jobs(kb: KernelBuilder, c: int, jobs: list[_GemmJob], bufs: dict[str, list[Tile]],
+                    start: tuple[Semaphore, int] | None, done: Semaphore, tag: str) -> bool:
+    """Issue core ``c``'s GEMM jobs: K panels double-buffered (loads on queues 0/1), two
+    accumulators and two BF16 output buffers so that job j+1's matrix work overlaps job j's
+    read-back and store (queue 2). ``start``: (semaphore, count) the loads wait for first;
+    ``done`` is signalled once by queue 2 after the last store. Returns whether it issued any."""
+    if not jobs:
+        return False
+    core = kb.core(c)
+    sem = {n: kb.semaphore(f"c{c}.{tag}.{n}") for n in
+           ("loaded0", "loaded1", "used0", "used1", "acc", "read", "stored")}
+    step = 0
+    for j, job in enumerate(jobs):
+        m, n = job.dst.rows, job.dst.cols
+        acc = _view(bufs["acc"][j % 2], "f32", m, n)
+        for k, (a_src, b_src) in enumerate(job.panels):
+            s = step % 2
+            q = core.dma[s]
+            if start is not None and step < 2:
+                q.wait(*start)
+            if step >= 2:  # the matrix unit is done with this slot's previous panels
+                q.wait(sem[f"used{s}"], step // 2)
+            a = _view(bufs["a"][s], "bf16", a_src.rows, a_src.cols)
+            b = _view(bufs["b"][s], "bf16", b_src.rows, b_src.cols)
+            q.load(a, a_src)
+            q.load(b, b_src)
+            q.signal(sem[f"loaded{s}"])
+            core.mxu.wait(sem[f"loaded{s}"], step // 2 + 1)
+            if k == 0 and j >= 2:  # the vector unit has read this accumulator's job j-2
+                core.mxu.wait(sem["read"], j - 1)
+            mode = "overwrite" if k == 0 else "accumulate"
+            (core.mxu.matmul_t if job.transposed else core.mxu.matmul)(acc, a, b, mode=mode)
+            core.mxu.signal(sem[f"used{s}"])
+            step += 1
+        core.mxu.signal(sem["acc"])
+        out = _view(bufs["out"][j % 2], "bf16", m, n)
+        core.vpu.wait(sem["acc"], j + 1)
+        if j >= 2:  # job j-2's output has left this buffer
+            core.vpu.wait(sem["stored"], j - 1)
+        core.vpu.acc_read(out, acc)
+        core.vpu.signal(sem["read"])
+        core.dma[2].wait(sem["read"], j + 1)
+        core.dma[2].store(job.dst, out)
+        core.dma[2].signal(sem["stored"])
+    core.dma[2].signal(done)
+    return True
+
+
+@dataclass(frozen=True)
+class _DecodeTiling:
+    """Small-scratchpad mla-decode tiling: ``hg`` heads per attention item, ``t`` context tokens
+    per tile on ``nbuf`` buffers; GEMM jobs of ``bm`` sequences, ``rc`` absorbed columns (phase
+    1) and ``kp``-wide K panels (phase 3); byte sizes of the per-core regions."""
+
+    hg: int
+    t: int
+    nbuf: int
+    bm: int
+    rc: int
+    kp: int
+    flash_sram: int
+    arena_sram: int
+    gemm_acc: int
+
+
+def _decode_small_tiling(B: int, H: int, span: int, dims: tuple[int, int, int, int], spec: ChipSpec,
+                         override: int) -> _DecodeTiling | None:
+    """The largest head group, then the largest context tile, that fit (None: nothing fits)."""
+    R, P, N, V = dims
+    W = R + P
+    cap_s, cap_a = spec.sram.scratchpad_bytes - _SLACK, spec.sram.accumulator_bytes - _SLACK
+    pvc = min(R, _SMALL_PV_COLS)
+
+    def gemm(bm: int, rc: int, kp: int) -> tuple[int, int]:
+        a = max(bm * N, bm * kp) * 2
+        b = max(N * rc, V * kp) * 2
+        o = max(bm * rc, bm * V) * 2
+        return 2 * (_align(a) + _align(b) + _align(o)), 2 * _align(max(bm * rc, bm * V) * 4)
+
+    gemm_opts = [(bm, rc, kp) for bm in (128, 64, 32, 16, 8) if bm <= max(B, 8)
+                 for rc, kp in ((R, R), (R // 2, R // 2), (R // 4, R // 4), (R // 8, R // 8))
+                 if rc >= 32 and rc % 32 == 0]
+    tiles = [override] if override else list(range(min(_MAX_DECODE_TILE, span) // 32 * 32, 0, -32))
+    for hg in (g for g in _SMALL_HEAD_GROUPS if g <= H):
+        for t in tiles:
+            fl_s = _Flash.sram_bytes(hg, t, R, 1, pvc) + 16 * 64
+            fl_a = _Flash.acc_bytes(hg, t, R) + 4 * 64
+            for nbuf in (4, 3, 2):
+                att = 2 * _align(hg * W * 2) + 2 * _align(hg * R * 2) + nbuf * _align(t * W * 2)
+                for bm, rc, kp in gemm_opts:
+                    g_s, g_a = gemm(bm, rc, kp)
+                    if fl_s + max(att, g_s) <= cap_s and fl_a + g_a <= cap_a:
+                        return _DecodeTiling(hg, t, nbuf, bm, rc, kp, fl_s, max(att, g_s), g_a)
+    return None
+
+
+def _build_mla_decode_small(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """mla-decode for scratchpads that cannot hold a head's absorbed weights or all heads' FP32
+    output state (GPU presets): three phases with the latent query and output through HBM.
+
+    1. absorb: per (head, block of ``bm`` sequences, ``rc`` latent columns) q_lat =
+       bf16(q_nope @ W_UK[h]) into HBM scratch ``q_lat`` [batch*q_heads, R];
+    2. attention: per (sequence, group of ``hg`` heads) the flash loop of the v1 kernel over
+       context tiles (the tile loaded once for the group's heads), one FP32 output state, PV read
+       back 128 columns at a time; o_lat = bf16(o / l) into HBM scratch ``o_lat``;
+    3. up-projection: per (head, block of sequences) out = bf16(o_lat @ W_UV[h]^T), K in
+       ``kp``-wide panels accumulated in place.
+
+    A global count of stores (one signal per core) separates the phases, as kernel boundaries
+    would on a GPU. The numerics are the v1 kernel's: the same roundings, the same reference.
+    """
+    B, C, H = shape["batch"], shape["context"], shape["q_heads"]
+    cap = latent_cache_capacity(C, shape["capacity"])
+    span = -(-C // _BLOCK) * _BLOCK
+    R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
+    scale = _scale(shape)
+    W = R + P
+    til = _decode_small_tiling(B, H, span, (R, P, N, V), spec, shape["kv_tile"])
+    if til is None:
+        what = "shape key kv_tile=" + str(shape["kv_tile"]) if shape["kv_tile"] else "the tiling"
+        raise InvalidArgumentError(
+            f"{what} cannot hold this shape: q_heads={H}, kv_lora_rank={R}, rope_dim={P}: one head's "
+            f"query [1, {W}] and FP32 output state [1, {R}] plus two 32-token cache tiles of "
+            f"{32 * W * 2:,} B need more than {spec.name}'s {spec.sram.scratchpad_bytes:,} B of "
+            f"scratchpad / {spec.sram.accumulator_bytes:,} B of accumulators per core")
+    hg, T, nbuf, bm = til.hg, til.t, til.nbuf, til.bm
+    cores = spec.core.count
+    kb = KernelBuilder(f"mla_decode_b{B}_c{C}_h{H}" + (f"_cap{cap}" if cap != C else "") + "_small",
+                       chip=spec)
+    q_h = kb.hbm("q", (B * H, N + P), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * cap, W), "bf16")
+    w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
+    out_h = kb.hbm("out", (B * H, V), "bf16")
+    qlat_h = kb.hbm("q_lat", (B * H, R), "bf16")  # scratch: phase 1 -> 2
+    olat_h = kb.hbm("o_lat", (B * H, R), "bf16")  # scratch: phase 2 -> 3
+
+    # Per core: the flash loop's buffers, then one arena the phases reuse in turn.
+    flash, arena, gacc = {}, {}, {}
+    for c in range(cores):
+        flash[c] = _Flash(kb, c, hg, T, R, scale, states=1, pv_cols=min(R, _SMALL_PV_COLS))
+        arena[c] = kb.sram(c, "arena", (1, til.arena_sram), "u8")
+        gacc[c] = [kb.acc(c, f"gemm_acc{i}", (1, til.gemm_acc // 8)) for i in range(2)]
+    half = til.arena_sram // 2
+
+    def gemm_bufs(c: int, a_bytes: int, b_bytes: int, o_bytes: int) -> dict[str, list[Tile]]:
+        offs = [0, _align(a_bytes), _align(a_bytes) + _align(b_bytes)]
+        ar = arena[c]
+        return {"a": [_view(ar, "u8", 1, _align(a_bytes), s * half + offs[0]) for s in range(2)],
+                "b": [_view(ar, "u8", 1, _align(b_bytes), s * half + offs[1]) for s in range(2)],
+                "out": [_view(ar, "u8", 1, _align(o_bytes), s * half + offs[2]) for s in range(2)],
+                "acc": gacc[c]}
+
+    a_bytes = max(bm * N, bm * til.kp) * 2
+    b_bytes = max(N * til.rc, V * til.kp) * 2
+    o_bytes = max(bm * til.rc, bm * V) * 2
+
+    # Phase 1: q_lat = bf16(q_nope @ W_UK[h]), jobs of (head, sequences, latent columns).
+    qn_rows = q_h.sub(0, 0, B * H, N)
+    p1 = [_GemmJob([(_rows_of(qn_rows, b0 * H + h, min(bm, B - b0), H),
+                     w_h.sub(h * (N + V), r0, N, min(til.rc, R - r0)))],
+                   _rows_of(qlat_h.sub(0, r0, B * H, min(til.rc, R - r0)), b0 * H + h, min(bm, B - b0), H),
+                   transposed=False)
+          for h in range(H) for b0 in range(0, B, bm) for r0 in range(0, R, til.rc)]
+    qlat_done = kb.semaphore("qlat_done")
+    n1 = sum(_emit_gemm_jobs(kb, c, p1[c::cores], gemm_bufs(c, a_bytes, b_bytes, o_bytes), None,
+                             qlat_done, "p1") for c in range(cores))
+
+    # Phase 2: attention per (sequence, head group).
+    items = [(b, h0) for b in range(B) for h0 in range(0, H, hg)]
+    olat_done = kb.semaphore("olat_done")
+    n2 = 0
+    for c in range(min(cores, len(items))):
+        n2 += 1
+        _decode_small_attention(kb, c, items[c::cores], flash[c], arena[c], (qlat_done, n1), olat_done,
+                                (q_h, kv_h, qlat_h, olat_h), (H, hg, T, nbuf, span, C, cap), (R, P, N))
+
+    # Phase 3: out = bf16(o_lat @ W_UV[h]^T), K in panels of kp.
+    p3 = [_GemmJob([(_rows_of(olat_h.sub(0, k0, B * H, min(til.kp, R - k0)), b0 * H + h, min(bm, B - b0), H),
+                     w_h.sub(h * (N + V) + N, k0, V, min(til.kp, R - k0))) for k0 in range(0, R, til.kp)],
+                   _rows_of(out_h, b0 * H + h, min(bm, B - b0), H), transposed=True)
+          for h in range(H) for b0 in range(0, B, bm)]
+    out_done = kb.semaphore("out_done")
+    for c in range(cores):
+        _emit_gemm_jobs(kb, c, p3[c::cores], gemm_bufs(c, a_bytes, b_bytes, o_bytes), (olat_done, n2),
+                        out_done, "p3")
+
+    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        return _inputs(seed, B * H, (B, C, cap), H, R, P, N, V)
+
+    def reference(inputs):
+        return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                            batch=B, context=C, capacity=cap, **dims)}
+
+    groups = -(-H // hg)
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE,
+        notes={"path": "small-scratchpad", "kv_tile": T, "kv_buffers": nbuf, "head_group": hg,
+               "head_groups": groups, "attention_items": len(items), "gemm_rows": bm,
+               "softmax_scale": scale, "cache_capacity": cap, "padded_tokens": span - C,
+               "latent_cache_bytes": groups * B * span * W * 2, "weight_bytes": H * (N + V) * R * 2,
+               "q_out_bytes": B * H * (N + P + V) * 2, "scratch_bytes": 4 * B * H * R * 2},
+    )
+
+
+def _decode_small_attention(kb: KernelBuilder, c: int, items: list[tuple[int, int]], fl: _Flash, arena: Tile,
+                            start: tuple[Semaphore, int], done: Semaphore, hbm: tuple[Tile, ...],
+                            sizes: tuple[int, ...], dims: tuple[int, int, int]) -> None:
+    """Core ``c``'s attention items (sequence b, first head h0): [q_lat | q_pe] of the group and
+    the context tiles in, o_lat of the group out (see ``_build_mla_decode_small``)."""
+    q_h, kv_h, qlat_h, olat_h = hbm
+    H, hg, T, nbuf, span, C, cap = sizes
+    R, P, N = dims
+    W = R + P
+    core = kb.core(c)
+    off = 0
+    qbuf, obuf, kvb = [], [], []
+    for _ in range(2):
+        qbuf.append(_view(arena, "bf16", hg, W, off))
+        off += _align(hg * W * 2)
+    for _ in range(2):
+        obuf.append(_view(arena, "bf16", hg, R, off))
+        off += _align(hg * R * 2)
+    for _ in range(nbuf):
+        kvb.append(_view(arena, "bf16", T, W, off))
+        off += _align(T * W * 2)
+    sem = {n: kb.semaphore(f"c{c}.p2.{n}") for n in ("q", "q_used", "kv", "o_ready", "o_stored")}
+    starts = list(range(0, span, T))
+    tiles: list[_FlashTile] = []
+    for it, (b, h0) in enumerate(items):
+        nh = min(hg, H - h0)
+        qb = qbuf[it % 2].sub(0, 0, nh, W)
+        q1 = core.dma[1]
+        if it == 0:  # every core's q_lat is in HBM, and this core's arena is free of phase 1
+            q1.wait(*start)
+            core.dma[0].wait(*start)
+        if it >= 2:  # the matrix unit's scores of item it-2 have read this buffer
+            q1.wait(sem["q_used"], it - 1)
+        q1.load(qb.sub(0, 0, nh, R), qlat_h.sub(b * H + h0, 0, nh, R))
+        q1.load(qb.sub(0, R, nh, P), q_h.sub(b * H + h0, N, nh, P))
+        q1.signal(sem["q"])
+        for j, t0 in enumerate(starts):
+            n = min(T, span - t0)
+            g = fl.g + len(tiles)
+            buf = kvb[g % nbuf].sub(0, 0, n, W)
+            if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
+                core.dma[0].wait(fl.pv_done, g - nbuf + 1)
+            core.dma[0].load(buf, kv_h.sub(b * cap + t0, 0, n, W))
+            core.dma[0].signal(sem["kv"])
+            last = j == len(starts) - 1
+
+            def scores(acc, g=g, buf=buf, qb=qb, it=it, j=j, last=last):
+                if j == 0:
+                    core.mxu.wait(sem["q"], it + 1)
+                core.mxu.wait(sem["kv"], g + 1)
+                core.mxu.matmul_t(acc, qb, buf, mode="overwrite")
+                if last:
+                    core.mxu.signal(sem["q_used"])
+
+            def pv(acc, p, buf=buf):
+                core.mxu.matmul(acc, p, buf.sub(0, 0, buf.rows, R), mode="overwrite")
+
+            def finish(o, linv, it=it, b=b, h0=h0, nh=nh):
+                ob = obuf[it % 2].sub(0, 0, nh, R)
+                if it >= 2:  # item it-2's o_lat has been stored
+                    core.vpu.wait(sem["o_stored"], it - 1)
+                core.vpu.mul(ob, o, linv)
+                core.vpu.signal(sem["o_ready"])
+                core.dma[2].wait(sem["o_ready"], it + 1)
+                core.dma[2].store(olat_h.sub(b * H + h0, 0, nh, R), ob)
+                core.dma[2].signal(sem["o_stored"])
+
+            tiles.append(_FlashTile(nh, n, 0, j == 0, last, scores, pv, finish,
+                                    pad_cols=span - C if last else 0))
+    fl.run(tiles)
+    core.dma[2].signal(done)
+
+
 # --- prefill --------------------------------------------------------------------------------
 def _prefill_key_tiles(prior: int, seq: int, t: int) -> list[tuple[int, int]]:
     """(start, n) key tiles of a prefill chunk: the prior context's from 0 in t-token tiles, then
@@ -645,7 +971,8 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     else:
         T = next((t for t in range(min(_MAX_PREFILL_TILE, S) // 32 * 32, 0, -32) if fits(t)), 0)
         if not T:
-            raise InvalidArgumentError(f"the tiling cannot hold this shape: {what}")
+            # Small scratchpads (GPU presets): K and V go through HBM, key tiles stream in.
+            return _build_mla_prefill_small(shape, spec)
 
     kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_p{prior}_h{H}" + (f"_cap{cap}" if cap != C else ""),
                        chip=spec)
@@ -769,6 +1096,206 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
                "cache_capacity": cap, "key_tiles": len(ktiles), "form": "naive (decompressed K/V)"},
     )
+
+
+def _prefill_small_tiling(S: int, C: int, dims: tuple[int, int, int, int], spec: ChipSpec,
+                          override: int) -> tuple[int, int, int, int, int, int] | None:
+    """(tile T, K/V buffers, GEMM token rows, GEMM K panel, PV read-back columns, arena
+    SRAM) of the small-scratchpad mla-prefill: the largest square tile that fits, then the most
+    buffers."""
+    R, P, N, V = dims
+    D = N + P
+    cap_s, cap_a = spec.sram.scratchpad_bytes - _SLACK, spec.sram.accumulator_bytes - _SLACK
+    tiles = [override] if override else list(range(min(_MAX_PREFILL_TILE, S) // 32 * 32, 0, -32))
+    for t, pvc in ((t, pvc) for t in tiles for pvc in (V, 64, 32) if pvc <= V):
+        fl_s = _Flash.sram_bytes(t, t, V, 1, pvc) + 16 * 64
+        fl_a = _Flash.acc_bytes(t, t, V) + 4 * 64
+        for nbuf in (3, 2):
+            att = (_align(t * D * 2) + _align(t * V * 2) + _align(t * t * 4)
+                   + nbuf * (_align(t * D * 2) + _align(t * V * 2)))
+            for tm, kp in ((128, R), (128, R // 2), (64, R // 2), (64, R // 4), (32, R // 4), (32, 32)):
+                if kp < 32 or kp % 32:
+                    continue
+                g_s = 2 * (_align(tm * kp * 2) + _align(max(N, V) * kp * 2) + _align(tm * max(N, V) * 2))
+                g_a = 2 * _align(tm * max(N, V) * 4)
+                if fl_s + max(att, g_s) <= cap_s and fl_a + g_a <= cap_a:
+                    return t, nbuf, tm, kp, pvc, max(att, g_s)
+    return None
+
+
+def _build_mla_prefill_small(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """mla-prefill for scratchpads that cannot hold one head's K and V over the whole context
+    (GPU presets): the decompressed K_nope and V go through HBM, and the key tiles stream past
+    each query tile (online softmax across tiles).
+
+    1. decompress: per (sequence, head, K or V, ``tm`` tokens) bf16(c_kv @ W_UK[h]^T) or
+       bf16(c_kv @ W_UV[h]^T), K in ``kp``-wide panels accumulated in place, into HBM scratch
+       ``k_nope`` [batch*q_heads*(prior+seq), nope] and ``v`` [.., v_head_dim] (row
+       ((b*q_heads + h)*(prior+seq) + t));
+    2. attention: per (sequence, head, query tile) the query tile stays, the key tiles of the
+       prior context and of the chunk up to the diagonal stream in ([k_nope | k_pe] with k_pe
+       read straight from the latent cache, and V), flash loop as the v1 kernel.
+
+    The roundings are those of the v1 kernel (K_nope and V rounded to BF16 once, P to BF16).
+    """
+    B, S, H, prior = shape["batch"], shape["seq"], shape["q_heads"], shape["prior"]
+    R, P, N, V = shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"]
+    scale = _scale(shape)
+    W, D, C = R + P, N + P, prior + S
+    cap = latent_cache_capacity(C, shape["capacity"], "prior+seq")
+    got = _prefill_small_tiling(S, C, (R, P, N, V), spec, shape["kv_tile"])
+    if got is None:
+        what = "shape key kv_tile=" + str(shape["kv_tile"]) if shape["kv_tile"] else "the tiling"
+        raise InvalidArgumentError(
+            f"{what} cannot hold this shape: a 32-token query tile with head dims {D} (q/k) and {V} "
+            f"(v), its FP32 output state and two key/value tiles need more than {spec.name}'s "
+            f"{spec.sram.scratchpad_bytes:,} B of scratchpad / {spec.sram.accumulator_bytes:,} B "
+            "of accumulators per core")
+    T, nbuf, tm, kp, pv_cols, arena_sram = got
+    cores = spec.core.count
+    kb = KernelBuilder(f"mla_prefill_b{B}_s{S}_p{prior}_h{H}" + (f"_cap{cap}" if cap != C else "")
+                       + "_small", chip=spec)
+    q_h = kb.hbm("q", (B * S * H, D), "bf16")
+    kv_h = kb.hbm("kv_cache", (B * cap, W), "bf16")
+    w_h = kb.hbm("w_kv_b", (H * (N + V), R), "bf16")
+    mask_h = kb.hbm("causal_mask", (T, T), "f32")
+    out_h = kb.hbm("out", (B * S * H, V), "bf16")
+    kn_h = kb.hbm("k_nope", (B * H * C, N), "bf16")  # scratch: phase 1 -> 2
+    v_h = kb.hbm("v", (B * H * C, V), "bf16")
+
+    flash, arena, gacc = {}, {}, {}
+    n_gemm = max(N, V)
+    for c in range(cores):
+        flash[c] = _Flash(kb, c, T, T, V, scale, states=1, pv_cols=pv_cols)
+        arena[c] = kb.sram(c, "arena", (1, arena_sram), "u8")
+        gacc[c] = [kb.acc(c, f"gemm_acc{i}", (tm, n_gemm)) for i in range(2)]
+    half = arena_sram // 2
+    a_b, b_b, o_b = tm * kp * 2, n_gemm * kp * 2, tm * n_gemm * 2
+
+    def gemm_bufs(c: int) -> dict[str, list[Tile]]:
+        ar = arena[c]
+        offs = (0, _align(a_b), _align(a_b) + _align(b_b))
+        bufs = {name: [_view(ar, "u8", 1, _align(size), s * half + o) for s in range(2)]
+                for name, size, o in zip(("a", "b", "out"), (a_b, b_b, o_b), offs, strict=True)}
+        return bufs | {"acc": gacc[c]}
+
+    # Phase 1: decompress K_nope and V of every (sequence, head) into HBM.
+    jobs = []
+    for b in range(B):
+        for h in range(H):
+            for w_row, n, dst in ((h * (N + V), N, kn_h), (h * (N + V) + N, V, v_h)):
+                for t0 in range(0, C, tm):
+                    m = min(tm, C - t0)
+                    panels = [(kv_h.sub(b * cap + t0, k0, m, min(kp, R - k0)),
+                               w_h.sub(w_row, k0, n, min(kp, R - k0))) for k0 in range(0, R, kp)]
+                    jobs.append(_GemmJob(panels, dst.sub((b * H + h) * C + t0, 0, m, n), transposed=True))
+    kv_done = kb.semaphore("kv_done")
+    n1 = sum(_emit_gemm_jobs(kb, c, jobs[c::cores], gemm_bufs(c), None, kv_done, "p1") for c in range(cores))
+
+    # Phase 2: flash attention per (sequence, head, query tile), longest items first.
+    starts = list(range(0, S, T))
+    ktiles = _prefill_key_tiles(prior, S, T)
+    n_prior = len(ktiles) - len(starts)
+    items = sorted(((b, h, i) for b in range(B) for h in range(H) for i in range(len(starts))),
+                   key=lambda x: -x[2])
+    for c in range(min(cores, len(items))):
+        _prefill_small_attention(kb, c, items[c::cores], flash[c], arena[c], (kv_done, n1),
+                                 (q_h, kv_h, kn_h, v_h, mask_h, out_h), (S, H, T, nbuf, C, cap, n_prior),
+                                 (R, P, N, V), ktiles, starts)
+
+    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        ins = _inputs(seed, B * S * H, (B, C, cap), H, R, P, N, V)
+        ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
+        return ins
+
+    def reference(inputs):
+        return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                             batch=B, seq=S, prior=prior, capacity=cap, **dims)}
+
+    return KernelBuild(
+        program=kb.build(), make_inputs=make_inputs, reference=reference,
+        outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
+        notes={"path": "small-scratchpad", "tile": T, "kv_buffers": nbuf, "gemm_rows": tm, "gemm_panel": kp,
+               "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
+               "cache_capacity": cap, "key_tiles": len(ktiles), "scratch_bytes": 2 * B * H * C * (N + V) * 2,
+               "form": "naive (decompressed K/V through HBM)"},
+    )
+
+
+def _prefill_small_attention(kb: KernelBuilder, c: int, items: list[tuple[int, int, int]], fl: _Flash,
+                             arena: Tile, start: tuple[Semaphore, int], hbm: tuple[Tile, ...],
+                             sizes: tuple[int, ...], dims: tuple[int, int, int, int],
+                             ktiles: list[tuple[int, int]], starts: list[int]) -> None:
+    """Core ``c``'s (sequence, head, query tile) items of ``_build_mla_prefill_small``."""
+    q_h, kv_h, kn_h, v_h, mask_h, out_h = hbm
+    S, H, T, nbuf, C, cap, n_prior = sizes
+    R, P, N, V = dims
+    D = N + P
+    core = kb.core(c)
+    off = 0
+
+    def take(rows: int, cols: int, dtype: str) -> Tile:
+        nonlocal off
+        t = _view(arena, dtype, rows, cols, off)
+        off += _align(t.nbytes)
+        return t
+
+    qs, os_, mask = take(T, D, "bf16"), take(T, V, "bf16"), take(T, T, "f32")
+    kbuf = [(take(T, D, "bf16"), take(T, V, "bf16")) for _ in range(nbuf)]
+    sem = {n: kb.semaphore(f"c{c}.p2.{n}") for n in ("q", "q_used", "kv", "o_ready", "o_stored", "mask")}
+    for q in (core.dma[0], core.dma[1], core.dma[3]):  # phase 1 is done with the arena everywhere
+        q.wait(*start)
+    core.dma[3].load(mask, mask_h)
+    core.dma[3].signal(sem["mask"])
+    core.vpu.wait(sem["mask"], 1)
+    q_rows, o_rows = q_h.sub(0, 0, q_h.rows, D), out_h.sub(0, 0, out_h.rows, V)
+    tiles: list[_FlashTile] = []
+    for it, (b, h, i) in enumerate(items):
+        t0 = starts[i]
+        nq = min(T, S - t0)
+        if it >= 1:  # the matrix unit's scores of the previous item have read the query tile
+            core.dma[1].wait(sem["q_used"], it)
+        core.dma[1].load(qs.sub(0, 0, nq, D), _rows_of(q_rows, (b * S + t0) * H + h, nq, H))
+        core.dma[1].signal(sem["q"])
+        keys = ktiles[:n_prior + i + 1]
+        base = (b * H + h) * C
+        for j, (k0, nk) in enumerate(keys):
+            g = fl.g + len(tiles)
+            kt, vt = (x.sub(0, 0, nk, x.cols) for x in kbuf[g % nbuf])
+            dq = core.dma[0]
+            if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
+                dq.wait(fl.pv_done, g - nbuf + 1)
+            dq.load(kt.sub(0, 0, nk, N), kn_h.sub(base + k0, 0, nk, N))
+            dq.load(kt.sub(0, N, nk, P), kv_h.sub(b * cap + k0, R, nk, P))
+            dq.load(vt, v_h.sub(base + k0, 0, nk, V))
+            dq.signal(sem["kv"])
+            diag = j == len(keys) - 1
+
+            def scores(acc, g=g, kt=kt, it=it, j=j, nq=nq, diag=diag):
+                if j == 0:
+                    core.mxu.wait(sem["q"], it + 1)
+                core.mxu.wait(sem["kv"], g + 1)
+                core.mxu.matmul_t(acc, qs.sub(0, 0, nq, D), kt, mode="overwrite")
+                if diag:
+                    core.mxu.signal(sem["q_used"])
+
+            def pv(acc, p, vt=vt):
+                core.mxu.matmul(acc, p, vt, mode="overwrite")
+
+            def finish(o, linv, it=it, b=b, h=h, t0=t0, nq=nq):
+                if it >= 1:  # the previous item's output has left SRAM
+                    core.vpu.wait(sem["o_stored"], it)
+                core.vpu.mul(os_.sub(0, 0, nq, V), o, linv)
+                core.vpu.signal(sem["o_ready"])
+                core.dma[2].wait(sem["o_ready"], it + 1)
+                core.dma[2].store(_rows_of(o_rows, (b * S + t0) * H + h, nq, H), os_.sub(0, 0, nq, V))
+                core.dma[2].signal(sem["o_stored"])
+
+            tiles.append(_FlashTile(nq, nk, 0, j == 0, diag, scores, pv, finish,
+                                    mask.sub(0, 0, nq, nk) if diag else None))
+    fl.run(tiles)
 
 
 _COMMON = (

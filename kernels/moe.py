@@ -124,6 +124,7 @@ from jalapeno_emu.isa.table import DTYPES, Space
 
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
 from .moe_gather import GatherPlan, build_gather, gather_reference, plan_gather
+from .moe_panel import PanelPlan, build_panel, panel_reference, plan_panel
 from .moe_pack import (
     chunk_bytes,
     chunk_views,
@@ -352,15 +353,52 @@ def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:
         return g
     t, h = shape["tokens"], shape["hidden"]
     fits = 4 * t * h + 2 * 4 * t * 2 * 32 + 4 * t * 128 <= spec.sram.accumulator_bytes
-    return "dense" if t <= _DENSE_TOKENS and fits else "gather"
+    if t > _DENSE_TOKENS or fits:
+        return "dense" if fits else "gather"
+    # A small scratchpad (GPU shared memory) that the gather program does not fit either: the
+    # slot program's panel form (``moe_panel``) keeps the partial in HBM.
+    if _gather_fits(shape, spec) or not _panel_fits(shape, spec):
+        return "gather"
+    return "dense"
 
 
-def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan | GatherPlan:
+def _gather_fits(shape: dict[str, Any], spec: ChipSpec) -> bool:
+    try:
+        plan_gather(shape, spec)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _panel_fits(shape: dict[str, Any], spec: ChipSpec) -> bool:
+    try:
+        _check_shape(shape)
+        plan_panel(shape, spec, _slots(shape))
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan | GatherPlan | PanelPlan:
     """Validate ``shape`` and choose the program and its split (``MoePlan`` for grouping=dense,
+    ``PanelPlan`` for grouping=dense when that does not fit the chip's scratchpad or accumulators,
     ``GatherPlan`` for grouping=gather); InvalidArgumentError naming the key otherwise."""
     _check_shape(shape)
     if grouping_of(shape, spec) == "gather":
         return plan_gather(shape, spec)
+    try:
+        return _plan_dense(shape, spec)
+    except InvalidArgumentError as exc:
+        if shape["tokens"] > _DENSE_TOKENS:
+            raise
+        try:  # small scratchpads: the same slots, through HBM in panels
+            return plan_panel(shape, spec, _slots(shape))
+        except InvalidArgumentError:
+            raise exc from None
+
+
+def _plan_dense(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:
+    """The dense program's split (InvalidArgumentError when it does not fit)."""
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     s, act_fmt, bias = shape["shared_experts"], shape["act_fmt"], shape["expert_bias"]
     d = _slots(shape)
@@ -470,12 +508,14 @@ def _bias_parts(w: np.ndarray) -> list[np.ndarray]:
     return parts
 
 
-def moe_reference(inputs: dict[str, Any], plan: MoePlan | GatherPlan,
+def moe_reference(inputs: dict[str, Any], plan: MoePlan | GatherPlan | PanelPlan,
                   shape: dict[str, Any]) -> dict[str, np.ndarray]:
     """Pure-JAX MoE with the kernel's numerics and summation order; {"y": bf16 [T, H]} plus, for
     grouping=dense, "expert_ids": int32 [D, 1]."""
     if isinstance(plan, GatherPlan):
         return gather_reference(inputs, plan, shape)
+    if isinstance(plan, PanelPlan):
+        return panel_reference(inputs, plan, shape)
     act_fmt, activation = shape["act_fmt"], shape["activation"]
     x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
     slots, slot_w, routed, routed_b = np.zeros(0, np.int32), np.zeros((0, plan.t), np.float32), [], []
@@ -859,6 +899,8 @@ def build_moe(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     p = plan_moe(shape, spec)
     if isinstance(p, GatherPlan):
         return _build_gather_kernel(shape, spec, p)
+    if isinstance(p, PanelPlan):
+        return _build_panel_kernel(shape, spec, p)
     t, h, e, k = p.t, p.h, p.e, p.k
     kb = KernelBuilder(f"moe_t{t}_h{h}_i{p.i}_e{e}_k{k}_d{p.d}", chip=spec)
     hbm = _hbm_tensors(kb, p, shape)
@@ -931,7 +973,28 @@ def _build_gather_kernel(shape: dict[str, Any], spec: ChipSpec, p: GatherPlan) -
     )
 
 
-def make_moe_inputs(p: MoePlan | GatherPlan, shape: dict[str, Any], seed: int) -> dict[str, Any]:
+def _build_panel_kernel(shape: dict[str, Any], spec: ChipSpec, p: PanelPlan) -> KernelBuild:
+    kb = build_panel(shape, spec, p)
+    return KernelBuild(
+        program=kb.build(), make_inputs=lambda seed: make_moe_inputs(p, shape, seed),
+        reference=lambda inputs: {"y": panel_reference(inputs, p, shape)["y"]},
+        outputs={"y": ("bf16", (p.t, p.h))},
+        tolerance=Tolerance(
+            atol=1e-6, rtol=2.0**-7,
+            why="same operations in the same order as the reference (MX matmuls bit-exact in K panels, "
+                "FP32 vector steps, the terms' rows added in term order); exp and sigmoid may differ in "
+                "the last FP32 bit between XLA's code paths"),
+        notes={"grouping": "dense", "program": "panel", "distinct_experts": p.d,
+               "distinct_experts_uniform": round(expected_distinct_experts(p.e, p.k, p.t), 2) if p.e else 0.0,
+               "expert_bytes": p.expert_bytes, "routed_expert_bytes": p.d * p.expert_bytes,
+               "shared_expert_bytes": p.s * p.expert_bytes, "slice": p.slice_max, "down_block": p.hb,
+               "k_panel": p.hk, "i_panel": p.ik, "x_resident": p.x_resident,
+               "items": len(p.gu_items()) + len(p.down_items()), "cores": p.cores,
+               "router_parts": p.router_parts, "route_block": p.tb},
+    )
+
+
+def make_moe_inputs(p: MoePlan | GatherPlan | PanelPlan, shape: dict[str, Any], seed: int) -> dict[str, Any]:
     """Random inputs for plan ``p``: x ~ N(0, 1), weights scaled to keep activations O(1); gate
     and up scaled up so that gpt-oss's clamp (7) is reached now and then."""
     rng = np.random.default_rng(seed)

@@ -1,0 +1,881 @@
+"""The moe kernel's expert-slot program for small scratchpads (GPU shared memory: 64..228 KiB).
+
+Stage: kernels (``moe`` family). ``moe`` builds this program for ``grouping=dense`` shapes when
+the dense program (``moe.py``) does not fit: its per-core x [T, H], its [T, H] FP32 partial in the
+accumulators and its whole-H weight chunks need MiB where an SM has 228 KiB. The math is the same
+(every expert slot computes every token, weighted by its gate weight; shared experts weight 1;
+DeepSeek's noaux routing; gpt-oss biases), arranged as two grouped GEMMs through HBM, as fused-MoE
+GPU kernels do:
+
+1. x quantised once (``act_fmt``), column panels spread over the cores, into an HBM scratch ``xq``.
+   Router (experts > 0): producer core r multiplies x by column panel r of Wr in K panels of ``rk``
+   rows (BF16, FP32 logits accumulated in order: bit-identical to one pass). Core 0 pulls the
+   panels and routes ``tb`` tokens at a time (``moe_routing.emit_gating``), then one ``vec.group``
+   over all T tokens gives the D slots' expert ids (output ``expert_ids``) and the [D, T] gate
+   weights (HBM scratch ``slot_weights``).
+2. Gate|up items (term u, intermediate slice j): gate|up = xq @ [Wg | Wu][:, slice] in K panels of
+   ``hk`` rows (x panels read from the core's resident copy of xq when it fits, else from HBM),
+   the weights *gathered* from the packed table by slot u's expert id (the split layout of
+   ``moe_pack``, one gather per K panel's codes and scales); + gate/up bias, the activation, times
+   each token's gate weight, quantised into the HBM scratch ``acts`` [(S + D) * T, I].
+3. Down items (term u, H block of ``hb`` columns): out_u[:, hb] = acts_u @ Wd_u[:, hb] in I panels
+   of ``ik`` rows (+ the down-bias matmul: the gate weights' three BF16 parts times the bias, as
+   the dense program does), FP32 rows into the HBM scratch ``outs`` [(S + D) * T, H].
+4. Combine items (H block of ``hc`` columns): y = ((out_0 + out_1) + ...) in term order, FP32,
+   rounded to BF16 once.
+
+Terms are the shared experts first, then the D slots. Global semaphores separate the phases, so
+each core reuses one scratchpad region for the four phases' tiles. The reference
+(``panel_reference``) computes each term's rows with the gather program's ``_expert_rows`` (the
+same operations: per slice gate|up, activation, weight, quantisation; one down matmul; the bias
+matmul) and adds the terms in the same order.
+
+Costs against the dense program: acts and outs go through HBM (T * I and 4 * T * H bytes per term),
+and each down item re-reads its term's activations per H block (T * I bytes); at decode sizes
+(T <= 64) these are a few to tens of per cent of the weight bytes. HBM tensors the caller binds
+(x, router, biases, packed tables, y, expert_ids) are those of the dense program; the packed
+tables use ``moe_pack``'s split layout, which ``pack_experts`` writes from the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
+from jalapeno_emu.isa.table import DTYPES, Space
+
+from .moe_pack import router_logical, split_layout, unpack_expert_biases, unpack_experts
+from .moe_routing import (
+    RoutingDims,
+    emit_gating,
+    emit_route_constants,
+    fill_constant,
+    group_reference,
+    route_reference,
+    routing_buffers,
+    routing_dims,
+)
+
+__all__ = ["PanelPlan", "build_panel", "panel_reference", "plan_panel"]
+
+_SRAM_SHARE = 0.95
+_BIAS_PARTS = 3
+_NBUF = 3  # weight panels in flight per core (two loads ahead of the matrix unit)
+_NG = 4  # combine terms in flight per core
+_MAX_TOKENS = 128  # one matrix-unit row tile: every slot computes every token
+
+
+@dataclass(frozen=True)
+class PanelPlan:
+    """The small-scratchpad slot program's layout (see the module docstring).
+
+    Attributes (t, h, i, e, k, s, d, slices, chunk_off, chunk_sizes, expert_bytes, expert_bias,
+    router_parts, router_cols, rd, down_blocks, down_off keep their ``MoePlan`` / ``GatherPlan``
+    meaning; chunk_off/chunk_sizes locate the split layout's gate|up segments):
+        cores: cores used. hk: gate|up K panel rows. ik: down I panel rows. rk: router K panel rows.
+        tb: tokens routed per block. qc: x columns quantised per item. hc: combine columns per item.
+        x_resident: each core keeps all of xq in its scratchpad (else K panels come from HBM).
+    """
+
+    t: int
+    h: int
+    i: int
+    e: int
+    k: int
+    s: int
+    d: int
+    slices: tuple[tuple[int, int], ...]
+    chunk_off: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    expert_bytes: int
+    expert_bias: bool
+    router_parts: int
+    router_cols: int
+    rd: RoutingDims | None
+    down_blocks: tuple[tuple[int, int], ...]
+    down_off: tuple[int, ...]
+    cores: int
+    hk: int
+    ik: int
+    rk: int
+    tb: int
+    qc: int
+    hc: int
+    x_resident: bool
+
+    @property
+    def terms(self) -> int:
+        """Shared experts plus expert slots."""
+        return self.s + self.d
+
+    @property
+    def slice_max(self) -> int:
+        """Widest slice."""
+        return max(w for _, w in self.slices)
+
+    @property
+    def hb(self) -> int:
+        """Widest H block of the down projection."""
+        return max(w for _, w in self.down_blocks)
+
+    def gu_items(self) -> list[tuple[int, int]]:
+        """(term, slice) of every gate|up item; item n runs on core n % cores."""
+        return [(u, j) for u in range(self.terms) for j in range(len(self.slices))]
+
+    def down_items(self) -> list[tuple[int, int]]:
+        """(term, H block) of every down item; item n runs on core n % cores."""
+        return [(u, b) for u in range(self.terms) for b in range(len(self.down_blocks))]
+
+    def quant_items(self) -> list[tuple[int, int]]:
+        """(first column, width) of x's quantisation items."""
+        return [(c0, min(self.qc, self.h - c0)) for c0 in range(0, self.h, self.qc)]
+
+    def combine_items(self) -> list[tuple[int, int]]:
+        """(first column, width) of y's combine items."""
+        return [(c0, min(self.hc, self.h - c0)) for c0 in range(0, self.h, self.hc)]
+
+
+# --- sizes ----------------------------------------------------------------------------------------
+_Spec = tuple[str, str, tuple[int, int]]
+
+
+def _aligned(dtype: str, shape: tuple[int, int]) -> int:
+    return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
+
+
+def _bytes(specs: list[_Spec]) -> int:
+    return sum(_aligned(dt, sh) for _, dt, sh in specs)
+
+
+def _mx(name: str, fmt: str, rows: int, cols: int) -> list[_Spec]:
+    if fmt == "bf16":
+        return [(name, "bf16", (rows, cols))]
+    return [(f"{name}.c", fmt, (rows, cols)), (f"{name}.s", "e8m0", (rows, cols // 32))]
+
+
+def _route_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
+    """Phase 1: quantisation, router panels, routing (core 0)."""
+    out = [("xin", "bf16", (p.t, p.qc)), *_mx("xqt", fmt, p.t, p.qc)]
+    if not p.e:
+        return out
+    out += [(f"xr{b}", "bf16", (p.t, p.rk)) for b in range(2)]
+    out += [(f"wr{b}", "bf16", (p.rk, p.router_cols)) for b in range(2)]
+    tiles = [spec for spec in routing_buffers(p.rd, 0) if spec[0] not in ("idx", "gw", "slot_ids", "slot_w")]
+    out += [*tiles, ("idx_all", "i32", (p.t, p.k)), ("gw_all", "f32", (p.t, p.k)), ("slot_ids", "i32", (p.d, 1)), ("slot_w", "f32", (p.d, p.t))]
+    return out
+
+
+def _gu_bytes(p: PanelPlan, w: int) -> int:
+    return p.hk * w + (p.hk // 32) * 2 * w
+
+
+def _dn_bytes(p: PanelPlan, hw: int) -> int:
+    return p.ik * hw // 2 + (p.ik // 32) * hw
+
+
+def _gu_specs(p: PanelPlan, fmt: str, activation: str) -> list[_Spec]:
+    """Phase 2: gate|up items."""
+    w = p.slice_max
+    out = _mx("xres", fmt, p.t, p.h) if p.x_resident else \
+        [spec for b in range(_NBUF) for spec in _mx(f"xk{b}", fmt, p.t, p.hk)]
+    out += [(f"wk{b}", "u8", (1, _gu_bytes(p, w))) for b in range(_NBUF)]
+    out += [(f"gub{b}", "bf16", (1, 2 * w)) for b in range(2)] if p.expert_bias else []
+    out += [(f"wrow{b}", "f32", (1, p.t)) for b in range(2)]
+    out += [("gu", "f32", (p.t, 2 * w)), ("tmp", "f32", (p.t, w))]
+    out += [("ones", "f32", (1, w))] if activation == "swiglu_oai" else []
+    out += [spec for b in range(2) for spec in _mx(f"aq{b}", fmt, p.t, w)]
+    return out
+
+
+def _dn_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
+    """Phase 3: down items."""
+    out = [spec for b in range(_NBUF) for spec in _mx(f"ak{b}", fmt, p.t, p.ik)]
+    out += [(f"wd{b}", "u8", (1, _dn_bytes(p, p.hb))) for b in range(_NBUF)]
+    out += [(f"ot{b}", "f32", (p.t, p.hb)) for b in range(2)]
+    if p.expert_bias:
+        out += [(f"brow{b}", "f32", (1, p.t)) for b in range(2)]
+        out += [(f"db{b}", "bf16", (1, p.hb)) for b in range(2)]
+        out += [(f"wall{b}", "bf16", (p.t, 32)) for b in range(2)]
+        out += [(f"b2all{b}", "bf16", (32, p.hb)) for b in range(2)]
+        out += [("bres", "f32", (p.t, 1)), ("onecol", "f32", (p.t, 1))]
+    return out
+
+
+def _combine_specs(p: PanelPlan) -> list[_Spec]:
+    """Phase 4: combine items."""
+    return [*((f"g{n}", "f32", (p.t, p.hc)) for n in range(_NG)), ("ysum", "f32", (p.t, p.hc)),
+            ("ybuf", "bf16", (p.t, p.hc))]
+
+
+def _plain_specs(p: PanelPlan) -> list[_Spec]:
+    """Tiles live across phases: x's first rows (constants are clamped from them), the slot ids
+    (gather indices) and a producer's logits panel (read by core 0's routing)."""
+    out: list[_Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
+    if p.e:
+        out += [("ids", "i32", (p.d, 1)), ("lp", "f32", (p.t, p.router_cols))]
+    return out
+
+
+def _layouts(p: PanelPlan, shape: dict[str, Any]) -> list[list[_Spec]]:
+    fmt = shape["act_fmt"]
+    return [_route_specs(p, fmt), _gu_specs(p, fmt, shape["activation"]), _dn_specs(p, fmt), _combine_specs(p)]
+
+
+def _sram_bytes(p: PanelPlan, shape: dict[str, Any]) -> int:
+    return max(_bytes(lay) for lay in _layouts(p, shape)) + _bytes(_plain_specs(p)) + 64 * 8
+
+
+def _acc_bytes(p: PanelPlan) -> int:
+    return 4 * p.t * (2 * 2 * p.slice_max + 2 * p.hb + (p.router_cols if p.e else 0))
+
+
+# --- plan -----------------------------------------------------------------------------------------
+def _router_split(e: int, cores: int) -> tuple[int, int]:
+    """(R producer cores, E/R columns each): as the dense program, R divides E, <= one per 32."""
+    r = max(r for r in range(1, min(cores, max(1, e // 32)) + 1) if e % r == 0)
+    return r, e // r
+
+
+def _tb(t: int, e: int, k: int, shape: dict[str, Any], room: int) -> int:
+    """Tokens per routing block: the largest divisor of T whose routing tiles fit ``room`` bytes."""
+    for tb in range(t, 0, -1):
+        if t % tb == 0:
+            rd = routing_dims(tb, e, k, shape)
+            if _bytes([spec for spec in routing_buffers(rd, 0)]) <= room:
+                return tb
+    return 0
+
+
+def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
+    """Seconds: per phase, the busiest core's bytes over a core's share of HBM (all cores
+    streaming), or every byte over HBM, whichever is longer; plus a small per-instruction term."""
+    hbm = spec.hbm
+    bw = hbm.bytes_per_s_per_pseudo_channel * hbm.pseudo_channels * hbm.efficiency
+    per_core = min(spec.dma.bytes_per_s_per_core, bw / p.cores)
+    x_item = 0 if p.x_resident else p.t * p.h * 33 // 32
+    gu_item = max(sum(p.h * 2 * w * 17 // 32 for _, w in p.slices) // len(p.slices), 1) + x_item + p.t * p.slice_max
+    dn_item = p.i * p.hb * 17 // 32 + p.t * p.i + 4 * p.t * p.hb
+    out_s = 0.0
+    for n_items, item in ((len(p.gu_items()), gu_item), (len(p.down_items()), dn_item)):
+        busiest = -(-n_items // p.cores) * item
+        out_s += max(busiest / per_core, n_items * item / bw)
+    out_s += 4 * p.terms * p.t * p.h / bw + (p.h if p.x_resident else 0) * p.t * p.cores / bw
+    steps = len(p.gu_items()) * -(-p.h // p.hk) + len(p.down_items()) * -(-p.i // p.ik)
+    return out_s + steps * 50 / spec.core.clock_hz
+
+
+def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
+    """The fitting split with the lowest estimate, for a shape the dense planner checked (``d``
+    expert slots); InvalidArgumentError naming the key when nothing fits."""
+    from .moe import _slices
+
+    t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
+    s, bias = shape["shared_experts"], shape["expert_bias"]
+    if t > _MAX_TOKENS:
+        raise InvalidArgumentError(f"shape key tokens={t}: the expert-slot program computes every token "
+                                   f"per slot, at most {_MAX_TOKENS} (one matrix-unit row tile)")
+    sram_cap = int(spec.sram.scratchpad_bytes * _SRAM_SHARE)
+    acc_cap = spec.sram.accumulator_bytes
+    cores_avail = spec.core.count
+    r_parts, ew = _router_split(e, cores_avail) if e else (0, 0)
+    tb = _tb(t, e, k, shape, sram_cap // 2) if e else 0
+    if e and not tb:
+        raise InvalidArgumentError(f"shape key experts={e}: routing one token needs more than half of "
+                                   f"{spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+    rd = routing_dims(tb, e, k, shape) if e else None
+    w_key = shape["slice"]
+    widths = [w_key] if w_key else sorted({min(w, i) for w in (32, 64, 128, 256)})
+    hbs = sorted({min(b, h) for b in (32, 64, 128, 256, 512)})
+    panels = (512, 256, 128, 64, 32)
+    best: tuple[float, PanelPlan] | None = None
+    for w in widths:
+        slices = _slices(i, w)
+        for hb in hbs:
+            down_blocks = tuple((h0, min(hb, h - h0)) for h0 in range(0, h, hb))
+            gu_off, gu_sizes, down_off, expert_bytes = split_layout(h, i, slices, down_blocks, bias)
+            for x_res in (True, False):
+                for hk in (pk for pk in panels if pk <= h and h % pk == 0):
+                    ik = next((pk for pk in panels if pk <= i and i % pk == 0), 32)
+                    n_items = (s + d) * max(len(slices), len(down_blocks))
+                    p = PanelPlan(t, h, i, e, k, s, d, slices, tuple(gu_off), tuple(gu_sizes), expert_bytes,
+                                  bias, r_parts, ew, rd, down_blocks, tuple(down_off),
+                                  min(cores_avail, max(n_items, r_parts, 1)), hk, ik,
+                                  next(pk for pk in panels if pk <= h and h % pk == 0), tb,
+                                  _qc(h, t, sram_cap), _hc(h, t, sram_cap), x_res)
+                    p = _shrink(p, shape, sram_cap)
+                    if p is None or _acc_bytes(p) > acc_cap:
+                        continue
+                    est = _estimate_s(p, spec)
+                    if best is None or est < best[0]:
+                        best = (est, p)
+                    break
+    if best is None:
+        raise InvalidArgumentError(
+            f"shape key hidden={h} (tokens={t}, intermediate={i}): no panel split of the expert-slot "
+            f"program fits {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad and "
+            f"{acc_cap:,} B accumulators")
+    return best[1]
+
+
+def _qc(h: int, t: int, sram_cap: int) -> int:
+    """x columns per quantisation item (bf16 in + MX out), multiples of 32."""
+    fit = sram_cap // 2 // (t * 4) // 32 * 32
+    return max(32, min(h, fit, 512))
+
+
+def _hc(h: int, t: int, sram_cap: int) -> int:
+    """y columns per combine item (NG + 1 FP32 buffers and a BF16 one), multiples of 32."""
+    fit = sram_cap // (t * (4 * (_NG + 1) + 2)) // 32 * 32
+    return max(32, min(h, fit, 512))
+
+
+def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | None:
+    """The plan with the down and router panels halved until it fits (None if it never does)."""
+    while _sram_bytes(p, shape) > sram_cap:
+        if p.ik > 32 and p.i % (p.ik // 2) == 0:
+            p = PanelPlan(**{**p.__dict__, "ik": p.ik // 2})
+        elif p.e and p.rk > 32 and p.h % (p.rk // 2) == 0:
+            p = PanelPlan(**{**p.__dict__, "rk": p.rk // 2})
+        else:
+            return None
+    return p
+
+
+# --- reference ------------------------------------------------------------------------------------
+def panel_reference(inputs: dict[str, Any], p: PanelPlan, shape: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Pure-JAX MoE with this program's numerics and order: {"y": bf16 [T, H], "expert_ids": [D, 1]}."""
+    from .moe import _inorder_jit
+    from .moe_gather import _expert_rows, _quant
+
+    x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
+    xq = _quant(x, shape["act_fmt"])
+    all_slices = tuple(range(len(p.slices)))
+    terms: list[tuple[Any, Any, np.ndarray | None]] = []
+    slots = np.zeros(0, np.int32)
+    if p.s:
+        shared = unpack_experts(inputs["shared"], p)
+        shared_b = unpack_expert_biases(inputs["shared"], p) if p.expert_bias else [None] * p.s
+        terms += [(shared[n], shared_b[n], None) for n in range(p.s)]
+    if p.e:
+        wr = jnp.asarray(router_logical(np.asarray(inputs["router"]), p), jnp.float32)
+        rd = routing_dims(p.t, p.e, p.k, shape)
+        ids, w = route_reference(_inorder_jit(x, wr), inputs, rd, shape["routed_scaling_factor"])
+        slots, slot_w = group_reference(ids, w, p.d)
+        routed = unpack_experts(inputs["experts"], p)
+        routed_b = unpack_expert_biases(inputs["experts"], p) if p.expert_bias else [None] * p.e
+        terms += [(routed[int(ex)], routed_b[int(ex)], slot_w[u]) for u, ex in enumerate(slots)]
+    y = None
+    for weights, biases, gate_w in terms:
+        out = _expert_rows(p, shape, xq, weights, biases, gate_w, all_slices, p.expert_bias)
+        y = out if y is None else y + out
+    return {"y": np.asarray(y.astype(jnp.bfloat16)), "expert_ids": slots[:, None]}
+
+
+# --- the program ----------------------------------------------------------------------------------
+def _view(t: Tile, off: int, dtype: str, rows: int, cols: int, stride: int = -1) -> Tile:
+    return Tile(t.space, t.core, t.offset + off, dtype, rows, cols, stride)
+
+
+def _column(row: Tile) -> Tile:
+    """A packed f32 [1, n] row viewed as an [n, 1] column."""
+    return _view(row, 0, "f32", row.cols, 1, 4)
+
+
+class _Counter:
+    """Signals issued so far per semaphore, so that waits name the right counts."""
+
+    def __init__(self, kb: KernelBuilder, prefix: str, names: tuple[str, ...]) -> None:
+        self.sem = {n: kb.semaphore(f"{prefix}.{n}") for n in names}
+        self.count = dict.fromkeys(names, 0)
+
+    def signal(self, eng: Any, name: str) -> int:
+        eng.signal(self.sem[name])
+        self.count[name] += 1
+        return self.count[name]
+
+
+_CORE_SEMS = ("csrc", "qin", "qdone", "qstored", "rld", "rmm", "pulled", "rvec", "ids", "xres", "xld",
+              "wld", "mm", "acc_read", "side", "act", "stored", "dwld", "dxld", "dmm", "ditem", "dside",
+              "bias_ready", "oread", "ostored", "gl", "gsum", "y_ready", "y_stored")
+
+
+@dataclass(frozen=True)
+class _Hbm:
+    x: Tile
+    y: Tile
+    xq: MXTensor | Tile
+    acts: MXTensor | Tile
+    outs: Tile
+    router: Tile | None
+    router_bias: Tile | None
+    score_bias: Tile | None
+    experts: Tile | None
+    shared: Tile | None
+    expert_ids: Tile | None
+    slot_w: Tile | None
+
+
+def _hbm(kb: KernelBuilder, p: PanelPlan, shape: dict[str, Any]) -> _Hbm:
+    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
+    x = kb.hbm("x", (t, h), "bf16")
+    return _Hbm(
+        x=x, y=kb.hbm("y", (t, h), "bf16"),
+        xq=x if fmt == "bf16" else kb.hbm_mx("xq", (t, h), fmt, axis=1),
+        acts=kb.hbm("acts", (p.terms * t, p.i), "bf16") if fmt == "bf16" else
+        kb.hbm_mx("acts", (p.terms * t, p.i), fmt, axis=1),
+        outs=kb.hbm("outs", (p.terms * t, h), "f32"),
+        router=kb.hbm("router", (p.router_parts * h, p.router_cols), "bf16") if e else None,
+        router_bias=kb.hbm("router_bias", (1, e), "bf16") if e and rd.router == "softmax_topk" else None,
+        score_bias=kb.hbm("score_bias", (1, e), "f32") if e and rd.score_bias else None,
+        experts=kb.hbm("experts", (e, p.expert_bytes), "u8") if e else None,
+        shared=kb.hbm("shared", (p.s, p.expert_bytes), "u8") if p.s else None,
+        expert_ids=kb.hbm("expert_ids", (p.d, 1), "i32") if e else None,
+        slot_w=kb.hbm("slot_weights", (p.d, t), "f32") if e else None)
+
+
+def _mx_cols(x: MXTensor | Tile, c0: int, cols: int) -> MXTensor | Tile:
+    if isinstance(x, MXTensor):
+        return x.sub(0, c0, x.codes.rows, cols)
+    return x.sub(0, c0, x.rows, cols)
+
+
+def _load_mx(q: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
+    if isinstance(dst, MXTensor):
+        q.load(dst.codes, src.codes)
+        q.load(dst.scales, src.scales)
+    else:
+        q.load(dst, src)
+
+
+def _store_mx(q: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
+    if isinstance(dst, MXTensor):
+        q.store(dst.codes, src.codes)
+        q.store(dst.scales, src.scales)
+    else:
+        q.store(dst, src)
+
+
+class _Emitter:
+    """Emits the four phases onto every core (module docstring)."""
+
+    def __init__(self, kb: KernelBuilder, p: PanelPlan, shape: dict[str, Any]) -> None:
+        self.kb, self.p, self.shape = kb, p, shape
+        self.hbm = _hbm(kb, p, shape)
+        self.nq = kb.chip.dma.queues_per_core
+        self.g = _Counter(kb, "all", ("xq", "logits", "routed", "gu", "down"))
+        self.B = {c: self._alloc(c) for c in range(p.cores)}
+        self.S = {c: _Counter(kb, f"c{c}", _CORE_SEMS) for c in range(p.cores)}
+
+    def q(self, c: int, i: int) -> Any:
+        return self.kb.core(c).dma[i % self.nq]
+
+    def _alloc(self, c: int) -> dict[str, Any]:
+        p, kb = self.p, self.kb
+        layouts = _layouts(p, self.shape)
+        region = kb.sram(c, "phases", (1, max(_bytes(lay) for lay in layouts)), "u8")
+        B: dict[str, Any] = {}
+        for lay in layouts:
+            off = 0
+            for name, dt, sh in lay:
+                B[name] = Tile(region.space, region.core, region.offset + off, dt, *sh)
+                off += _aligned(dt, sh)
+        for name, dt, sh in _plain_specs(p):
+            B[name] = kb.sram(c, name, sh, dt)
+        for name in [n[:-2] for n in list(B) if n.endswith(".c")]:
+            B[name] = MXTensor(B.pop(f"{name}.c"), B.pop(f"{name}.s"), 1)
+        B["acc_gu"] = [kb.acc(c, f"acc_gu{b}", (p.t, 2 * p.slice_max)) for b in range(2)]
+        B["acc_o"] = [kb.acc(c, f"acc_o{b}", (p.t, p.hb)) for b in range(2)]
+        if p.e:
+            B["acc_r"] = kb.acc(c, "acc_r", (p.t, p.router_cols))
+        return B
+
+    def emit(self) -> None:
+        p = self.p
+        for c in range(p.cores):
+            q1 = self.q(c, 1)
+            q1.load(self.B[c]["csrc"], self.hbm.x.sub(0, 0, min(p.t, 32), min(p.h, 512)))
+            self.S[c].signal(q1, "csrc")
+            self.kb.core(c).vpu.wait(self.S[c].sem["csrc"], 1)
+            self.quantise(c)
+            if p.e:
+                self.router(c)
+                if c == 0:
+                    self.routing(c)
+            self.gate_up(c)
+            self.down(c)
+            self.combine(c)
+
+    def _engines(self, c: int) -> list[Any]:
+        core = self.kb.core(c)
+        return [*(self.q(c, i) for i in range(min(3, self.nq))), core.vpu, core.mxu]
+
+    def _gate(self, c: int, waits: list[tuple[str, int]]) -> None:
+        """Every engine of core c waits until the earlier phases are over everywhere (their tiles
+        are reused)."""
+        for eng in self._engines(c):
+            for name, count in waits:
+                if count:
+                    eng.wait(self.g.sem[name], count)
+
+    # --- phase 1 ------------------------------------------------------------------------------
+    def quantise(self, c: int) -> None:
+        """Core c's column panels of x, quantised into xq (bf16: nothing to do)."""
+        p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
+        if self.shape["act_fmt"] == "bf16":
+            return
+        q1, q2 = self.q(c, 1), self.q(c, 2)
+        for n, (c0, cols) in enumerate(p.quant_items()[c::p.cores]):
+            xin, xqt = B["xin"].sub(0, 0, p.t, cols), _mx_cols(B["xqt"], 0, cols)
+            if n:  # the vector unit has read the previous panel
+                q1.wait(S.sem["qdone"], n)
+            q1.load(xin, self.hbm.x.sub(0, c0, p.t, cols))
+            S.signal(q1, "qin")
+            v.wait(S.sem["qin"], n + 1)
+            if n:  # the previous panel is stored
+                v.wait(S.sem["qstored"], n)
+            v.quantize(xqt.codes, xqt.scales, xin)
+            S.signal(v, "qdone")
+            q2.wait(S.sem["qdone"], n + 1)
+            _store_mx(q2, _mx_cols(self.hbm.xq, c0, cols), xqt)
+            S.signal(q2, "qstored")
+            self.g.signal(q2, "xq")
+
+    def _quant_count(self) -> int:
+        return 0 if self.shape["act_fmt"] == "bf16" else len(self.p.quant_items())
+
+    def router(self, c: int) -> None:
+        """Producer core c: logits panel c = x @ Wr[:, panel c] in K panels, into ``lp``."""
+        p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
+        if c >= p.router_parts:
+            return
+        q1, m, v = self.q(c, 1), core.mxu, core.vpu
+        steps = p.h // p.rk
+        for n in range(steps):
+            k0 = n * p.rk
+            if n >= 2:  # the matmul of step n-2 has read these buffers
+                q1.wait(S.sem["rmm"], n - 1)
+            q1.load(B[f"xr{n % 2}"], self.hbm.x.sub(0, k0, p.t, p.rk))
+            q1.load(B[f"wr{n % 2}"], self.hbm.router.sub(c * p.h + k0, 0, p.rk, p.router_cols))
+            S.signal(q1, "rld")
+            m.wait(S.sem["rld"], n + 1)
+            m.matmul(B["acc_r"], B[f"xr{n % 2}"], B[f"wr{n % 2}"], mode="overwrite" if n == 0 else "accumulate")
+            S.signal(m, "rmm")
+        v.wait(S.sem["rmm"], steps)
+        v.acc_read(B["lp"], B["acc_r"])
+        self.g.signal(v, "logits")
+
+    def routing(self, c: int) -> None:
+        """Core 0: every token's top-k and gate weights, block by block, then the slot tables."""
+        p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
+        v, q1, q2 = core.vpu, self.q(c, 1), self.q(c, 2)
+        rd, tb = p.rd, p.tb
+        if self.hbm.router_bias is not None:
+            q1.load(B["bias"], self.hbm.router_bias)
+        if self.hbm.score_bias is not None:
+            q1.load(B["score_bias"], self.hbm.score_bias)
+        v.wait(S.sem["pulled"], S.signal(q1, "pulled"))
+        emit_route_constants(v, B, rd, B["csrc"])
+        q1.wait(self.g.sem["logits"], p.router_parts)
+        for n, t0 in enumerate(range(0, p.t, tb)):
+            if n:  # the vector unit is done with the previous block's logits
+                q1.wait(S.sem["rvec"], n)
+            for r in range(p.router_parts):
+                q1.copy(B["logits"].sub(0, r * p.router_cols, tb, p.router_cols),
+                        self.B[r]["lp"].sub(t0, 0, tb, p.router_cols))
+            v.wait(S.sem["pulled"], S.signal(q1, "pulled"))
+            blk = {**B, "idx": B["idx_all"].sub(t0, 0, tb, p.k), "gw": B["gw_all"].sub(t0, 0, tb, p.k)}
+            emit_gating(v, blk, rd, self.shape["routed_scaling_factor"])
+            S.signal(v, "rvec")
+        v.group(B["slot_ids"], B["slot_w"], B["idx_all"], B["gw_all"])
+        q2.wait(S.sem["rvec"], S.signal(v, "rvec"))
+        q2.store(self.hbm.expert_ids, B["slot_ids"])
+        q2.store(self.hbm.slot_w, B["slot_w"])
+        self.g.signal(q2, "routed")
+
+    # --- weights by term ----------------------------------------------------------------------
+    def _fetch(self, c: int, q: Any, dst: Tile, u: int, off: int, size: int) -> None:
+        """Bytes off..off+size of term u's packed expert into dst: loaded (shared expert) or
+        gathered by the slot's expert id."""
+        p = self.p
+        if u < p.s:
+            q.load(dst, Tile(Space.HBM, 0, self.hbm.shared.offset + u * p.expert_bytes + off, "u8", 1, size))
+            return
+        table = Tile(Space.HBM, 0, self.hbm.experts.offset + off, "u8", p.e, size, p.expert_bytes)
+        q.gather(dst, table, self.B[c]["ids"].sub(u - p.s, 0, 1, 1))
+
+    def _load_ids(self, c: int) -> None:
+        """The slot ids, once per core (queues 0 and 2 gather by them)."""
+        p, B, S = self.p, self.B[c], self.S[c]
+        if not p.e:
+            return
+        q0 = self.q(c, 0)
+        q0.load(B["ids"], self.hbm.expert_ids)
+        n = S.signal(q0, "ids")
+        q0.wait(S.sem["ids"], n)
+        self.q(c, 2).wait(S.sem["ids"], n)
+
+    # --- phase 2 ------------------------------------------------------------------------------
+    def gate_up(self, c: int) -> None:
+        """Gate|up items: K-panel matmuls, activation x gate weight, activations to HBM."""
+        p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
+        mine = p.gu_items()[c::p.cores]
+        self._gate(c, [("xq", self._quant_count()), ("routed", 1 if p.e else 0)])
+        if not mine:
+            return
+        self._load_ids(c)
+        q0, q1, m, v = self.q(c, 0), self.q(c, 1), core.mxu, core.vpu
+        if self.shape["activation"] == "swiglu_oai":
+            fill_constant(v, B["ones"], 1.0, B["csrc"])
+        if p.x_resident:
+            _load_mx(q1, B["xres"], self.hbm.xq)
+            S.signal(q1, "xres")
+        n_k = p.h // p.hk
+        step = 0
+        for n, (u, j) in enumerate(mine):  # queue 0: weight panels; queue 1: x panels
+            w = p.slices[j][1]
+            for kk in range(n_k):
+                b = step % _NBUF
+                if step >= _NBUF:  # the matmul that read this buffer is done
+                    q0.wait(S.sem["mm"], step - _NBUF + 1)
+                    if not p.x_resident:
+                        q1.wait(S.sem["mm"], step - _NBUF + 1)
+                buf, k0 = B[f"wk{b}"], kk * p.hk
+                self._fetch(c, q0, _view(buf, 0, "u8", 1, p.hk * w), u, p.chunk_off[j] + k0 * w, p.hk * w)
+                self._fetch(c, q0, _view(buf, p.hk * w, "u8", 1, (p.hk // 32) * 2 * w), u,
+                            p.chunk_off[j] + p.h * w + (k0 // 32) * 2 * w, (p.hk // 32) * 2 * w)
+                S.signal(q0, "wld")
+                if not p.x_resident:
+                    _load_mx(q1, B[f"xk{b}"], _mx_cols(self.hbm.xq, k0, p.hk))
+                    S.signal(q1, "xld")
+                step += 1
+        step = 0
+        for n, (_u, j) in enumerate(mine):  # matrix unit
+            w = p.slices[j][1]
+            acc = B["acc_gu"][n % 2].sub(0, 0, p.t, 2 * w)
+            if n == 0 and p.x_resident:
+                m.wait(S.sem["xres"], 1)
+            if n >= 2:  # the vector unit has read this accumulator's previous item
+                m.wait(S.sem["acc_read"], n - 1)
+            for kk in range(n_k):
+                buf = B[f"wk{step % _NBUF}"]
+                wv = MXTensor(_view(buf, 0, "fp4", p.hk, 2 * w), _view(buf, p.hk * w, "e8m0", p.hk // 32, 2 * w), 0)
+                m.wait(S.sem["wld"], step + 1)
+                if p.x_resident:
+                    xv = _mx_cols(B["xres"], kk * p.hk, p.hk)
+                else:
+                    m.wait(S.sem["xld"], step + 1)
+                    xv = B[f"xk{step % _NBUF}"]
+                m.matmul_mx(acc, xv, wv, mode="overwrite" if kk == 0 else "accumulate")
+                S.signal(m, "mm")
+                step += 1
+        for n in range(len(mine) + 2):  # queue 2: side data of item n, store of item n - 2
+            if n < len(mine):
+                self._gu_side(c, n, mine[n])
+            if n >= 2:
+                self._gu_store(c, n - 2, mine[n - 2])
+        for n, (u, j) in enumerate(mine):
+            self._gu_vector(c, n, u, j, n_k)
+
+    def _gu_side(self, c: int, n: int, item: tuple[int, int]) -> None:
+        """Queue 2: item n's gate weights (routed) and gate|up bias."""
+        p, B, S, q2 = self.p, self.B[c], self.S[c], self.q(c, 2)
+        u, j = item
+        w, par = p.slices[j][1], n % 2
+        if n >= 2:  # item n-2's vector work (which read them) is done
+            q2.wait(S.sem["act"], n - 1)
+        if u >= p.s:
+            q2.load(B[f"wrow{par}"], self.hbm.slot_w.sub(u - p.s, 0, 1, p.t))
+        if p.expert_bias:
+            self._fetch(c, q2, _view(B[f"gub{par}"], 0, "u8", 1, 4 * w), u,
+                        p.chunk_off[j] + p.h * w + (p.h // 32) * 2 * w, 4 * w)
+        S.signal(q2, "side")
+
+    def _gu_store(self, c: int, n: int, item: tuple[int, int]) -> None:
+        p, B, S, q2 = self.p, self.B[c], self.S[c], self.q(c, 2)
+        u, j = item
+        c0, w = p.slices[j]
+        q2.wait(S.sem["act"], n + 1)
+        _store_mx(q2, self.hbm.acts.sub(u * p.t, c0, p.t, w), _mx_cols(B[f"aq{n % 2}"], 0, w))
+        S.signal(q2, "stored")
+        self.g.signal(q2, "gu")
+
+    def _gu_vector(self, c: int, n: int, u: int, j: int, n_k: int) -> None:
+        """Vector unit: gate|up out of the accumulator (+ bias), activation, x gate weight, quantised."""
+        from .moe_gather import _activation
+
+        p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
+        w, par, t = p.slices[j][1], n % 2, p.t
+        gu = B["gu"].sub(0, 0, t, 2 * w)
+        g_t, u_t, a_t = B["gu"].sub(0, 0, t, w), B["gu"].sub(0, w, t, w), B["tmp"].sub(0, 0, t, w)
+        v.wait(S.sem["mm"], (n + 1) * n_k)
+        v.acc_read(gu, B["acc_gu"][n % 2].sub(0, 0, t, 2 * w))
+        S.signal(v, "acc_read")
+        v.wait(S.sem["side"], n + 1)
+        if p.expert_bias:
+            v.add(gu, gu, _view(B[f"gub{par}"], 0, "bf16", 1, 2 * w))
+        _activation(v, B, g_t, u_t, a_t, w, self.shape["activation"])
+        if u >= p.s:
+            v.mul(a_t, a_t, _column(B[f"wrow{par}"]))
+        if n >= 2:  # aq[par] of item n-2 is stored
+            v.wait(S.sem["stored"], n - 1)
+        dst = _mx_cols(B[f"aq{par}"], 0, w)
+        if isinstance(dst, MXTensor):
+            v.quantize(dst.codes, dst.scales, a_t)
+        else:
+            v.copy(dst, a_t)
+        S.signal(v, "act")
+
+    # --- phase 3 ------------------------------------------------------------------------------
+    def down(self, c: int) -> None:
+        """Down items: I-panel matmuls into an [T, hb] accumulator (+ the down-bias matmul), rows
+        to HBM."""
+        p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
+        mine = p.down_items()[c::p.cores]
+        self._gate(c, [("gu", len(p.gu_items()))])
+        if not mine:
+            return
+        q0, q1, m, v = self.q(c, 0), self.q(c, 1), core.mxu, core.vpu
+        if p.expert_bias:
+            for name in ("wall0", "wall1", "b2all0", "b2all1"):
+                fill_constant(v, B[name], 0.0, B["csrc"])
+            fill_constant(v, B["onecol"], 1.0, B["csrc"])
+        n_k = p.i // p.ik
+        step = 0
+        for u, b in mine:  # queue 0: Wd panels; queue 1: activation panels
+            off, hw = p.down_off[b], p.down_blocks[b][1]
+            for kk in range(n_k):
+                nb = step % _NBUF
+                if step >= _NBUF:
+                    q0.wait(S.sem["dmm"], step - _NBUF + 1)
+                    q1.wait(S.sem["dmm"], step - _NBUF + 1)
+                buf, k0 = B[f"wd{nb}"], kk * p.ik
+                codes = p.ik * hw // 2
+                self._fetch(c, q0, _view(buf, 0, "u8", 1, codes), u, off + k0 * hw // 2, codes)
+                self._fetch(c, q0, _view(buf, codes, "u8", 1, (p.ik // 32) * hw), u,
+                            off + p.i * hw // 2 + (k0 // 32) * hw, (p.ik // 32) * hw)
+                S.signal(q0, "dwld")
+                _load_mx(q1, B[f"ak{nb}"], self.hbm.acts.sub(u * p.t, k0, p.t, p.ik))
+                S.signal(q1, "dxld")
+                step += 1
+        step = 0
+        for n, (u, b) in enumerate(mine):  # matrix unit
+            hw = p.down_blocks[b][1]
+            acc = B["acc_o"][n % 2].sub(0, 0, p.t, hw)
+            if n >= 2:  # the vector unit has read this accumulator's item n-2
+                m.wait(S.sem["oread"], n - 1)
+            for kk in range(n_k):
+                buf = B[f"wd{step % _NBUF}"]
+                codes = p.ik * hw // 2
+                wv = MXTensor(_view(buf, 0, "fp4", p.ik, hw), _view(buf, codes, "e8m0", p.ik // 32, hw), 0)
+                m.wait(S.sem["dwld"], step + 1)
+                m.wait(S.sem["dxld"], step + 1)
+                m.matmul_mx(acc, B[f"ak{step % _NBUF}"], wv, mode="overwrite" if kk == 0 else "accumulate")
+                S.signal(m, "dmm")
+                step += 1
+            if p.expert_bias:
+                m.wait(S.sem["bias_ready"], n + 1)
+                m.matmul(acc, B[f"wall{n % 2}"], B[f"b2all{n % 2}"].sub(0, 0, 32, hw), mode="accumulate")
+            S.signal(m, "ditem")
+        for n in range(len(mine) + 2):  # queue 2: side data of item n, store of item n - 2
+            if n < len(mine) and p.expert_bias:
+                self._dn_side(c, n, mine[n])
+            if n >= 2:
+                self._dn_store(c, n - 2, mine[n - 2])
+        for n, (u, b) in enumerate(mine):
+            self._dn_vector(c, n, u, b)
+
+    def _dn_side(self, c: int, n: int, item: tuple[int, int]) -> None:
+        """Queue 2: item n's gate weights (routed) and its H block of the down bias."""
+        p, B, S, q2 = self.p, self.B[c], self.S[c], self.q(c, 2)
+        u, b = item
+        h0, hw = p.down_blocks[b]
+        par = n % 2
+        if n >= 2:  # item n-2's bias terms are built
+            q2.wait(S.sem["bias_ready"], n - 1)
+        if u >= p.s:
+            q2.load(B[f"brow{par}"], self.hbm.slot_w.sub(u - p.s, 0, 1, p.t))
+        self._fetch(c, q2, _view(B[f"db{par}"], 0, "u8", 1, 2 * hw), u, p.expert_bytes - 2 * p.h + 2 * h0, 2 * hw)
+        S.signal(q2, "dside")
+
+    def _dn_store(self, c: int, n: int, item: tuple[int, int]) -> None:
+        p, B, S, q2 = self.p, self.B[c], self.S[c], self.q(c, 2)
+        u, b = item
+        h0, hw = p.down_blocks[b]
+        q2.wait(S.sem["oread"], n + 1)
+        q2.store(self.hbm.outs.sub(u * p.t, h0, p.t, hw), B[f"ot{n % 2}"].sub(0, 0, p.t, hw))
+        S.signal(q2, "ostored")
+        self.g.signal(q2, "down")
+
+    def _dn_vector(self, c: int, n: int, u: int, b: int) -> None:
+        """Vector unit: the down-bias operands (the weights' hi/mid/lo BF16 parts, three copies of
+        the bias block), then the item's FP32 rows out of the accumulator."""
+        p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
+        hw, par, t = p.down_blocks[b][1], n % 2, p.t
+        if p.expert_bias:
+            v.wait(S.sem["dside"], n + 1)
+            if n >= 2:  # the bias matmul of item n-2 (same buffers) is done
+                v.wait(S.sem["ditem"], n - 1)
+            src = _column(B[f"brow{par}"]) if u >= p.s else B["onecol"]
+            res, wall, b2all = B["bres"], B[f"wall{par}"], B[f"b2all{par}"]
+            for part in range(_BIAS_PARTS):  # exact for an FP32 weight
+                col = wall.sub(0, part, t, 1)
+                v.copy(col, src)
+                if part < _BIAS_PARTS - 1:
+                    v.sub(res, src, col)
+                    src = res
+                v.copy(b2all.sub(part, 0, 1, hw), _view(B[f"db{par}"], 0, "bf16", 1, hw))
+            S.signal(v, "bias_ready")
+        v.wait(S.sem["ditem"], n + 1)
+        if n >= 2:  # ot[par] of item n-2 is stored
+            v.wait(S.sem["ostored"], n - 1)
+        v.acc_read(B[f"ot{par}"].sub(0, 0, t, hw), B["acc_o"][par].sub(0, 0, t, hw))
+        S.signal(v, "oread")
+
+    # --- phase 4 ------------------------------------------------------------------------------
+    def combine(self, c: int) -> None:
+        """Combine items: the terms' rows added in term order (FP32), rounded to BF16 once."""
+        p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
+        mine = p.combine_items()[c::p.cores]
+        self._gate(c, [("down", len(p.down_items()))])
+        if not mine:
+            return
+        v, q1, q2 = core.vpu, self.q(c, 1), self.q(c, 2)
+        ti = 0
+        for ci, (h0, hw) in enumerate(mine):
+            first = ti
+            for u in range(p.terms):
+                if ti >= _NG:  # the vector unit has added the term that used this buffer
+                    q1.wait(S.sem["gsum"], ti - _NG + 1)
+                q1.load(B[f"g{ti % _NG}"].sub(0, 0, p.t, hw), self.hbm.outs.sub(u * p.t, h0, p.t, hw))
+                S.signal(q1, "gl")
+                ti += 1
+            ysum, ybuf = B["ysum"].sub(0, 0, p.t, hw), B["ybuf"].sub(0, 0, p.t, hw)
+            if ci:  # the previous y block is stored
+                v.wait(S.sem["y_stored"], ci)
+            for u in range(p.terms):
+                g = B[f"g{(first + u) % _NG}"].sub(0, 0, p.t, hw)
+                v.wait(S.sem["gl"], first + u + 1)
+                last = u == p.terms - 1
+                if u == 0:
+                    v.copy(ybuf if last else ysum, g)
+                else:
+                    v.add(ybuf if last else ysum, ysum, g)
+                S.signal(v, "gsum")
+            S.signal(v, "y_ready")
+            q2.wait(S.sem["y_ready"], ci + 1)
+            q2.store(self.hbm.y.sub(0, h0, p.t, hw), ybuf)
+            S.signal(q2, "y_stored")
+
+
+def build_panel(shape: dict[str, Any], spec: ChipSpec, p: PanelPlan) -> KernelBuilder:
+    """The small-scratchpad slot program for plan ``p`` (a KernelBuilder ready to ``build``)."""
+    kb = KernelBuilder(f"moe_panel_t{p.t}_h{p.h}_i{p.i}_e{p.e}_k{p.k}_d{p.d}", chip=spec)
+    _Emitter(kb, p, shape).emit()
+    return kb

@@ -4,6 +4,7 @@ timing-pass runs, mixed steps, pipelines, skewed routing, fit and GPU-preset err
 import numpy as np
 import pytest
 
+from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.rack.mapping import FitError, Mapping, chip_memory
 from jalapeno_emu.rack.step_model import RackStepModel
@@ -89,7 +90,9 @@ def test_serving_a_tiny_model_gives_sane_metrics(tp2):
 def test_models_that_do_not_fit_or_cannot_run_fail_at_construction():
     with pytest.raises(FitError, match="GB of weights per chip exceed"):
         RackStepModel("deepseek-r1", "jalapeno-v1", "tp=1")
-    with pytest.raises(InvalidArgumentError, match=r"kernel moe cannot run on gb300-nvl72: .*scratchpad"):
-        RackStepModel("gpt-oss-120b", "gb300-nvl72", "tp=8")
+    # A scratchpad no kernel tiling fits: the kernel's own refusal, named, at construction.
+    cramped = apply_overrides(load_preset("gb300-nvl72"), ["sram.scratchpad_bytes=4KiB"])
+    with pytest.raises(InvalidArgumentError, match=r"kernel \S+ cannot run on gb300-nvl72: .*scratchpad"):
+        RackStepModel("gpt-oss-120b", cramped, "tp=8")
     with pytest.raises(InvalidArgumentError, match="max_batch_tokens=0"):
         RackStepModel("tiny-gpt-oss", "jalapeno-v1", "tp=1", max_batch_tokens=0)

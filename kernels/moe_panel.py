@@ -337,14 +337,29 @@ def _hc(h: int, t: int, sram_cap: int) -> int:
 
 
 def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | None:
-    """The plan with the down and router panels halved until it fits (None if it never does)."""
-    while _sram_bytes(p, shape) > sram_cap:
-        if p.ik > 32 and p.i % (p.ik // 2) == 0:
-            p = PanelPlan(**{**p.__dict__, "ik": p.ik // 2})
-        elif p.e and p.rk > 32 and p.h % (p.rk // 2) == 0:
-            p = PanelPlan(**{**p.__dict__, "rk": p.rk // 2})
-        else:
+    """The plan with the largest phase's panels halved until it fits (None if it never does):
+    quantisation columns and router K panels (phase 1), down I panels (phase 3), combine columns
+    (phase 4); phase 2's K panel is the caller's loop."""
+    def halve(q: PanelPlan, key: str, total: int) -> PanelPlan | None:
+        now = getattr(q, key)
+        half = max(32, now // 2 // 32 * 32)
+        if half >= now or (key in ("ik", "rk") and total % half):
             return None
+        return PanelPlan(**{**q.__dict__, key: half})
+
+    while _sram_bytes(p, shape) > sram_cap:
+        sizes = [_bytes(lay) for lay in _layouts(p, shape)]
+        phase = sizes.index(max(sizes))
+        options = {0: [("qc", p.h), ("rk", p.h)], 1: [], 2: [("ik", p.i)], 3: [("hc", p.h)]}[phase]
+        q = None
+        for key, total in options:
+            q = halve(p, key, total)
+            if q is not None and _bytes(_layouts(q, shape)[phase]) < sizes[phase]:
+                break
+            q = None
+        if q is None:
+            return None
+        p = q
     return p
 
 

@@ -131,8 +131,8 @@ def _pow2_ceil(x: float) -> int:
 
 def _bracket(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Lower grid index and weight of the upper point for each x (clamped to the grid)."""
-    x = np.clip(x, grid[0], grid[-1])
-    i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, grid.size - 2)
+    x = np.minimum(np.maximum(x, grid[0]), grid[-1])
+    i = np.minimum(np.maximum(np.searchsorted(grid, x, side="right") - 1, 0), grid.size - 2)
     w = (x - grid[i]) / (grid[i + 1] - grid[i])
     return i, w
 
@@ -197,20 +197,23 @@ class _Lazy2D:
 
     def _column(self, i: int, ys: np.ndarray) -> np.ndarray:
         """float64[3, n]: the figures at x = xs[i], interpolated over ys."""
-        if ys.size == 1:  # one step: plain floats, the same arithmetic as the arrays below
-            j0, w0 = _bracket1(self._ys, float(ys[0]))
-            lo1 = self._point(i, j0)
-            out = lo1 if w0 == 0.0 else lo1 + w0 * (self._point(i, j0 + 1) - lo1)
-            return out.reshape(3, 1)
+        if ys.size <= 8:  # a step or a few sub-chunks: plain floats, the same arithmetic as below
+            cols = []
+            for y in ys.tolist():
+                j0, w0 = _bracket1(self._ys, y)
+                lo1 = self._point(i, j0)
+                cols.append(lo1 if w0 == 0.0 else lo1 + w0 * (self._point(i, j0 + 1) - lo1))
+            return np.array(cols).T
         j, w = _bracket(self.ys, ys)
         up = w > 0
         row = self._table[i]
-        need = np.unique(np.concatenate([j, j[up] + 1]))
-        for a in need[np.isnan(row[need, 0])]:  # time the grid points first needed here
-            self._point(i, int(a))
-        lo = row[j].T
-        hi = row[np.where(up, j + 1, j)].T
-        return np.where(up, lo + w * (hi - lo), lo)
+        j_hi = np.where(up, j + 1, j)
+        lo, hi = row[j], row[j_hi]
+        if np.isnan(lo[:, 0]).any() or np.isnan(hi[:, 0]).any():  # grid points first needed here
+            for a in sorted(set(j.tolist()) | set(j_hi.tolist())):
+                self._point(i, a)
+            lo, hi = row[j], row[j_hi]
+        return np.where(up, (lo + w[:, None] * (hi - lo)).T, lo.T)
 
     def __call__(self, x: float, ys: np.ndarray) -> np.ndarray:
         top = self.xs.size - 1

@@ -72,12 +72,14 @@ def parse_rows(spec: str, count: int) -> list[int]:
     return out
 
 
-def _predict_row(plan: RowPlan, spec: ChipSpec) -> tuple[str, np.ndarray]:
-    """(mapping, float[M] predicted metrics) of ``plan`` on ``spec``."""
+def _predict_row(plan: RowPlan, spec: ChipSpec, mapping: str | None = None) -> tuple[str, np.ndarray]:
+    """(mapping, float[M] predicted metrics) of ``plan`` on ``spec``; ``mapping`` (else the row's
+    stated one, else the best for throughput per GPU on one node)."""
     p = plan.point
     assert p.concurrency is not None
-    pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=plan.mapping,
-                   objective="throughput", chips=NODE_GPUS, disk_cache=True)
+    mapping = mapping or plan.mapping
+    pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=mapping,
+                   objective="throughput", chips=None if mapping else NODE_GPUS, disk_cache=True)
     d = pred.as_dict()
     vals = [d[METRICS[c]] for c in _COLS]
     return pred.mapping.name, np.array([math.nan if v is None else float(v) for v in vals])
@@ -156,7 +158,10 @@ def run_validation(
                                      if calibrate and cls[i] == "fit" else [])
             for s in order:
                 try:
-                    mappings[i], P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]))
+                    # The mapping is searched at the preset's own knobs and kept at the other
+                    # settings: a knob moves the times of a deployment, not which one is served
+                    # (and a search per setting would multiply the cost by the grid's size).
+                    mappings[i], P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]), mappings[i])
                 except Exception as exc:  # every failure becomes the row's reason
                     if s == ids[preset]:
                         cls[i], reasons[i] = "not-predicted", [*reasons[i], _one_line(exc)]
@@ -170,7 +175,7 @@ def run_validation(
         if s is not None and s != ids[plans[i].preset or ""]:
             g = _Group(plans[i].preset or "")
             try:
-                _, P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]))
+                _, P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]), mappings[i])
             except Exception as exc:  # reported with the row
                 reasons[i].append(f"at the calibrated knobs: {_one_line(exc)}")
             g.base.drop_programs()

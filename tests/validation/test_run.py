@@ -13,10 +13,12 @@ from jalapeno_emu.validation.points import METRICS
 from jalapeno_emu.validation.retime import DEFAULT_GRID
 
 
-def _stand_in(plan, spec):
+def _stand_in(plan, spec, mapping=None):
     """Exact at hbm.efficiency 0.75 and the preset's launch cost; error grows away from them."""
     m = plan.point.measured()
     base = spec.name.split("~")[0]
+    # Other knob settings serve the mapping found at the preset's own values.
+    assert (mapping == "tp=8") == ("~" in spec.name)
     from jalapeno_emu.chip import load_preset
 
     launch_scale = spec.sync.kernel_launch_s / load_preset(base).sync.kernel_launch_s
@@ -50,7 +52,7 @@ def test_calibration_finds_the_known_setting_and_reports_every_row(monkeypatch):
 def test_a_failing_prediction_is_not_predicted_with_its_one_line_reason(monkeypatch):
     from jalapeno_emu.rack.mapping import FitError
 
-    def refuse(plan, spec):
+    def refuse(plan, spec, mapping=None):
         raise FitError(f"{plan.model} on {spec.name}: 1,000.0 GB of weights exceed\n 180.0 GB")
 
     monkeypatch.setattr(vrun, "_predict_row", refuse)

@@ -70,6 +70,7 @@ _BIAS_PARTS = 3
 _NBUF = 3  # weight panels in flight per core (two loads ahead of the matrix unit)
 _NG = 4  # combine terms in flight per core
 _MAX_TOKENS = 128  # one matrix-unit row tile: every slot computes every token
+_MAX_INSTRUCTIONS = 300_000  # beyond this the estimate is penalised (build and timing time)
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ def _combine_specs(p: PanelPlan) -> list[_Spec]:
 def _plain_specs(p: PanelPlan) -> list[_Spec]:
     """Tiles live across phases: x's first rows (constants are clamped from them), the slot ids
     (gather indices) and a producer's logits panel (read by core 0's routing)."""
-    out: list[_Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
+    out: list[_Spec] = [("csrc", "bf16", (min(p.t, 8), min(p.h, 128)))]
     if p.e:
         out += [("ids", "i32", (p.d, 1)), ("lp", "f32", (p.t, p.router_cols))]
     return out
@@ -267,8 +268,13 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
         busiest = -(-n_items // p.cores) * item
         out_s += max(busiest / per_core, n_items * item / bw)
     out_s += 4 * p.terms * p.t * p.h / bw + (p.h if p.x_resident else 0) * p.t * p.cores / bw
-    steps = len(p.gu_items()) * -(-p.h // p.hk) + len(p.down_items()) * -(-p.i // p.ik)
-    return out_s + steps * 50 / spec.core.clock_hz
+    # Each K / I panel is a DMA set-up on its core, and about six instructions: small panels
+    # cost time and make a program that is slow to build, check and time.
+    gu_steps = len(p.gu_items()) * len(_panels(p.h, p.hk))
+    dn_steps = len(p.down_items()) * len(_panels(p.i, p.ik))
+    out_s += (-(-gu_steps // p.cores) + -(-dn_steps // p.cores)) * spec.dma.setup_latency_s
+    instructions = 6 * (gu_steps + dn_steps)
+    return out_s * (1 + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
 
 
 def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
@@ -301,13 +307,12 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
             down_blocks = tuple((h0, min(hb, h - h0)) for h0 in range(0, h, hb))
             gu_off, gu_sizes, down_off, expert_bytes = split_layout(h, i, slices, down_blocks, bias)
             for x_res in (True, False):
-                for hk in (pk for pk in panels if pk <= h and h % pk == 0):
-                    ik = next((pk for pk in panels if pk <= i and i % pk == 0), 32)
+                for hk in sorted({min(pk, h) for pk in panels}, reverse=True):
+                    ik = min(panels[0], i)
                     n_items = (s + d) * max(len(slices), len(down_blocks))
                     p = PanelPlan(t, h, i, e, k, s, d, slices, tuple(gu_off), tuple(gu_sizes), expert_bytes,
                                   bias, r_parts, ew, rd, down_blocks, tuple(down_off),
-                                  min(cores_avail, max(n_items, r_parts, 1)), hk, ik,
-                                  next(pk for pk in panels if pk <= h and h % pk == 0), tb,
+                                  min(cores_avail, max(n_items, r_parts, 1)), hk, ik, min(panels[0], h), tb,
                                   _qc(h, t, sram_cap), _hc(h, t, sram_cap), x_res)
                     p = _shrink(p, shape, sram_cap)
                     if p is None or _acc_bytes(p) > acc_cap:
@@ -315,13 +320,17 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
                     est = _estimate_s(p, spec)
                     if best is None or est < best[0]:
                         best = (est, p)
-                    break
     if best is None:
         raise InvalidArgumentError(
             f"shape key hidden={h} (tokens={t}, intermediate={i}): no panel split of the expert-slot "
             f"program fits {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad and "
             f"{acc_cap:,} B accumulators")
     return best[1]
+
+
+def _panels(n: int, width: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the panels of ``width`` rows (the last may be narrower) over n rows."""
+    return [(r0, min(width, n - r0)) for r0 in range(0, n, width)]
 
 
 def _qc(h: int, t: int, sram_cap: int) -> int:
@@ -343,7 +352,7 @@ def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | N
     def halve(q: PanelPlan, key: str, total: int) -> PanelPlan | None:
         now = getattr(q, key)
         half = max(32, now // 2 // 32 * 32)
-        if half >= now or (key in ("ik", "rk") and total % half):
+        if half >= now:
             return None
         return PanelPlan(**{**q.__dict__, key: half})
 
@@ -515,7 +524,7 @@ class _Emitter:
         p = self.p
         for c in range(p.cores):
             q1 = self.q(c, 1)
-            q1.load(self.B[c]["csrc"], self.hbm.x.sub(0, 0, min(p.t, 32), min(p.h, 512)))
+            q1.load(self.B[c]["csrc"], self.hbm.x.sub(0, 0, min(p.t, 8), min(p.h, 128)))
             self.S[c].signal(q1, "csrc")
             self.kb.core(c).vpu.wait(self.S[c].sem["csrc"], 1)
             self.quantise(c)
@@ -571,17 +580,18 @@ class _Emitter:
         if c >= p.router_parts:
             return
         q1, m, v = self.q(c, 1), core.mxu, core.vpu
-        steps = p.h // p.rk
-        for n in range(steps):
-            k0 = n * p.rk
+        steps = _panels(p.h, p.rk)
+        for n, (k0, kw) in enumerate(steps):
             if n >= 2:  # the matmul of step n-2 has read these buffers
                 q1.wait(S.sem["rmm"], n - 1)
-            q1.load(B[f"xr{n % 2}"], self.hbm.x.sub(0, k0, p.t, p.rk))
-            q1.load(B[f"wr{n % 2}"], self.hbm.router.sub(c * p.h + k0, 0, p.rk, p.router_cols))
+            xr, wr = B[f"xr{n % 2}"].sub(0, 0, p.t, kw), B[f"wr{n % 2}"].sub(0, 0, kw, p.router_cols)
+            q1.load(xr, self.hbm.x.sub(0, k0, p.t, kw))
+            q1.load(wr, self.hbm.router.sub(c * p.h + k0, 0, kw, p.router_cols))
             S.signal(q1, "rld")
             m.wait(S.sem["rld"], n + 1)
-            m.matmul(B["acc_r"], B[f"xr{n % 2}"], B[f"wr{n % 2}"], mode="overwrite" if n == 0 else "accumulate")
+            m.matmul(B["acc_r"], xr, wr, mode="overwrite" if n == 0 else "accumulate")
             S.signal(m, "rmm")
+        steps = len(steps)
         v.wait(S.sem["rmm"], steps)
         v.acc_read(B["lp"], B["acc_r"])
         self.g.signal(v, "logits")
@@ -651,23 +661,24 @@ class _Emitter:
         if p.x_resident:
             _load_mx(q1, B["xres"], self.hbm.xq)
             S.signal(q1, "xres")
-        n_k = p.h // p.hk
+        kpanels = _panels(p.h, p.hk)
+        n_k = len(kpanels)
         step = 0
-        for n, (u, j) in enumerate(mine):  # queue 0: weight panels; queue 1: x panels
+        for u, j in mine:  # queue 0: weight panels; queue 1: x panels
             w = p.slices[j][1]
-            for kk in range(n_k):
+            for k0, kw in kpanels:
                 b = step % _NBUF
                 if step >= _NBUF:  # the matmul that read this buffer is done
                     q0.wait(S.sem["mm"], step - _NBUF + 1)
                     if not p.x_resident:
                         q1.wait(S.sem["mm"], step - _NBUF + 1)
-                buf, k0 = B[f"wk{b}"], kk * p.hk
-                self._fetch(c, q0, _view(buf, 0, "u8", 1, p.hk * w), u, p.chunk_off[j] + k0 * w, p.hk * w)
-                self._fetch(c, q0, _view(buf, p.hk * w, "u8", 1, (p.hk // 32) * 2 * w), u,
-                            p.chunk_off[j] + p.h * w + (k0 // 32) * 2 * w, (p.hk // 32) * 2 * w)
+                buf = B[f"wk{b}"]
+                self._fetch(c, q0, _view(buf, 0, "u8", 1, kw * w), u, p.chunk_off[j] + k0 * w, kw * w)
+                self._fetch(c, q0, _view(buf, kw * w, "u8", 1, (kw // 32) * 2 * w), u,
+                            p.chunk_off[j] + p.h * w + (k0 // 32) * 2 * w, (kw // 32) * 2 * w)
                 S.signal(q0, "wld")
                 if not p.x_resident:
-                    _load_mx(q1, B[f"xk{b}"], _mx_cols(self.hbm.xq, k0, p.hk))
+                    _load_mx(q1, _mx_cols(B[f"xk{b}"], 0, kw), _mx_cols(self.hbm.xq, k0, kw))
                     S.signal(q1, "xld")
                 step += 1
         step = 0
@@ -678,15 +689,15 @@ class _Emitter:
                 m.wait(S.sem["xres"], 1)
             if n >= 2:  # the vector unit has read this accumulator's previous item
                 m.wait(S.sem["acc_read"], n - 1)
-            for kk in range(n_k):
+            for kk, (k0, kw) in enumerate(kpanels):
                 buf = B[f"wk{step % _NBUF}"]
-                wv = MXTensor(_view(buf, 0, "fp4", p.hk, 2 * w), _view(buf, p.hk * w, "e8m0", p.hk // 32, 2 * w), 0)
+                wv = MXTensor(_view(buf, 0, "fp4", kw, 2 * w), _view(buf, kw * w, "e8m0", kw // 32, 2 * w), 0)
                 m.wait(S.sem["wld"], step + 1)
                 if p.x_resident:
-                    xv = _mx_cols(B["xres"], kk * p.hk, p.hk)
+                    xv = _mx_cols(B["xres"], k0, kw)
                 else:
                     m.wait(S.sem["xld"], step + 1)
-                    xv = B[f"xk{step % _NBUF}"]
+                    xv = _mx_cols(B[f"xk{step % _NBUF}"], 0, kw)
                 m.matmul_mx(acc, xv, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "mm")
                 step += 1
@@ -761,22 +772,22 @@ class _Emitter:
             for name in ("wall0", "wall1", "b2all0", "b2all1"):
                 fill_constant(v, B[name], 0.0, B["csrc"])
             fill_constant(v, B["onecol"], 1.0, B["csrc"])
-        n_k = p.i // p.ik
+        ipanels = _panels(p.i, p.ik)
         step = 0
         for u, b in mine:  # queue 0: Wd panels; queue 1: activation panels
             off, hw = p.down_off[b], p.down_blocks[b][1]
-            for kk in range(n_k):
+            for k0, kw in ipanels:
                 nb = step % _NBUF
                 if step >= _NBUF:
                     q0.wait(S.sem["dmm"], step - _NBUF + 1)
                     q1.wait(S.sem["dmm"], step - _NBUF + 1)
-                buf, k0 = B[f"wd{nb}"], kk * p.ik
-                codes = p.ik * hw // 2
+                buf = B[f"wd{nb}"]
+                codes = kw * hw // 2
                 self._fetch(c, q0, _view(buf, 0, "u8", 1, codes), u, off + k0 * hw // 2, codes)
-                self._fetch(c, q0, _view(buf, codes, "u8", 1, (p.ik // 32) * hw), u,
-                            off + p.i * hw // 2 + (k0 // 32) * hw, (p.ik // 32) * hw)
+                self._fetch(c, q0, _view(buf, codes, "u8", 1, (kw // 32) * hw), u,
+                            off + p.i * hw // 2 + (k0 // 32) * hw, (kw // 32) * hw)
                 S.signal(q0, "dwld")
-                _load_mx(q1, B[f"ak{nb}"], self.hbm.acts.sub(u * p.t, k0, p.t, p.ik))
+                _load_mx(q1, _mx_cols(B[f"ak{nb}"], 0, kw), self.hbm.acts.sub(u * p.t, k0, p.t, kw))
                 S.signal(q1, "dxld")
                 step += 1
         step = 0
@@ -785,13 +796,14 @@ class _Emitter:
             acc = B["acc_o"][n % 2].sub(0, 0, p.t, hw)
             if n >= 2:  # the vector unit has read this accumulator's item n-2
                 m.wait(S.sem["oread"], n - 1)
-            for kk in range(n_k):
+            for kk, (_k0, kw) in enumerate(ipanels):
                 buf = B[f"wd{step % _NBUF}"]
-                codes = p.ik * hw // 2
-                wv = MXTensor(_view(buf, 0, "fp4", p.ik, hw), _view(buf, codes, "e8m0", p.ik // 32, hw), 0)
+                codes = kw * hw // 2
+                wv = MXTensor(_view(buf, 0, "fp4", kw, hw), _view(buf, codes, "e8m0", kw // 32, hw), 0)
                 m.wait(S.sem["dwld"], step + 1)
                 m.wait(S.sem["dxld"], step + 1)
-                m.matmul_mx(acc, B[f"ak{step % _NBUF}"], wv, mode="overwrite" if kk == 0 else "accumulate")
+                ak = _mx_cols(B[f"ak{step % _NBUF}"], 0, kw)
+                m.matmul_mx(acc, ak, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "dmm")
                 step += 1
             if p.expert_bias:

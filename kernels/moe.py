@@ -124,7 +124,6 @@ from jalapeno_emu.isa.table import DTYPES, Space
 
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
 from .moe_gather import GatherPlan, build_gather, gather_reference, plan_gather
-from .moe_panel import PanelPlan, build_panel, panel_reference, plan_panel
 from .moe_pack import (
     chunk_bytes,
     chunk_views,
@@ -134,6 +133,7 @@ from .moe_pack import (
     unpack_expert_biases,
     unpack_experts,
 )
+from .moe_panel import PanelPlan, build_panel, panel_reference, plan_panel
 from .moe_routing import (
     RoutingDims,
     check_routing_keys,

@@ -169,7 +169,8 @@ def _route_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
     out += [(f"xr{b}", "bf16", (p.t, p.rk)) for b in range(2)]
     out += [(f"wr{b}", "bf16", (p.rk, p.router_cols)) for b in range(2)]
     tiles = [spec for spec in routing_buffers(p.rd, 0) if spec[0] not in ("idx", "gw", "slot_ids", "slot_w")]
-    out += [*tiles, ("idx_all", "i32", (p.t, p.k)), ("gw_all", "f32", (p.t, p.k)), ("slot_ids", "i32", (p.d, 1)), ("slot_w", "f32", (p.d, p.t))]
+    out += [*tiles, ("idx_all", "i32", (p.t, p.k)), ("gw_all", "f32", (p.t, p.k)),
+            ("slot_ids", "i32", (p.d, 1)), ("slot_w", "f32", (p.d, p.t))]
     return out
 
 
@@ -226,7 +227,8 @@ def _plain_specs(p: PanelPlan) -> list[_Spec]:
 
 def _layouts(p: PanelPlan, shape: dict[str, Any]) -> list[list[_Spec]]:
     fmt = shape["act_fmt"]
-    return [_route_specs(p, fmt), _gu_specs(p, fmt, shape["activation"]), _dn_specs(p, fmt), _combine_specs(p)]
+    return [_route_specs(p, fmt), _gu_specs(p, fmt, shape["activation"]), _dn_specs(p, fmt),
+            _combine_specs(p)]
 
 
 def _sram_bytes(p: PanelPlan, shape: dict[str, Any]) -> int:
@@ -261,7 +263,8 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
     bw = hbm.bytes_per_s_per_pseudo_channel * hbm.pseudo_channels * hbm.efficiency
     per_core = min(spec.dma.bytes_per_s_per_core, bw / p.cores)
     x_item = 0 if p.x_resident else p.t * p.h * 33 // 32
-    gu_item = max(sum(p.h * 2 * w * 17 // 32 for _, w in p.slices) // len(p.slices), 1) + x_item + p.t * p.slice_max
+    gu_weights = sum(p.h * 2 * w * 17 // 32 for _, w in p.slices) // len(p.slices)
+    gu_item = gu_weights + x_item + p.t * p.slice_max
     dn_item = p.i * p.hb * 17 // 32 + p.t * p.i + 4 * p.t * p.hb
     out_s = 0.0
     for n_items, item in ((len(p.gu_items()), gu_item), (len(p.down_items()), dn_item)):
@@ -791,7 +794,7 @@ class _Emitter:
                 S.signal(q1, "dxld")
                 step += 1
         step = 0
-        for n, (u, b) in enumerate(mine):  # matrix unit
+        for n, (_u, b) in enumerate(mine):  # matrix unit
             hw = p.down_blocks[b][1]
             acc = B["acc_o"][n % 2].sub(0, 0, p.t, hw)
             if n >= 2:  # the vector unit has read this accumulator's item n-2
@@ -828,7 +831,8 @@ class _Emitter:
             q2.wait(S.sem["bias_ready"], n - 1)
         if u >= p.s:
             q2.load(B[f"brow{par}"], self.hbm.slot_w.sub(u - p.s, 0, 1, p.t))
-        self._fetch(c, q2, _view(B[f"db{par}"], 0, "u8", 1, 2 * hw), u, p.expert_bytes - 2 * p.h + 2 * h0, 2 * hw)
+        self._fetch(c, q2, _view(B[f"db{par}"], 0, "u8", 1, 2 * hw), u,
+                    p.expert_bytes - 2 * p.h + 2 * h0, 2 * hw)
         S.signal(q2, "dside")
 
     def _dn_store(self, c: int, n: int, item: tuple[int, int]) -> None:

@@ -1,0 +1,99 @@
+"""moe on small scratchpads (the expert-slot program's panel form, kernels/moe_panel.py): bit-exact
+against its reference at tiny shapes with the tiny preset's scratchpad shrunk so that the dense
+program does not fit; unchanged plans where the dense program fits; real models' shapes on b200."""
+
+import pytest
+
+from jalapeno_emu.chip import load_preset
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.kernels import get_kernel, run_kernel
+from jalapeno_emu.kernels.moe import MoePlan, grouping_of, plan_moe
+from jalapeno_emu.kernels.moe_panel import PanelPlan, _sram_bytes
+
+
+def _tiny(scratchpad_bytes: int):
+    return load_preset("tiny").replace(**{"sram.scratchpad_bytes": scratchpad_bytes})
+
+
+CASES = {
+    # gpt-oss: softmax router with bias, clamped SwiGLU, gate/up and down biases; panels of 32
+    "gpt_oss_biases": (14 * 1024, dict(tokens=8, hidden=128, intermediate=96, experts=8, top_k=2,
+                                       expert_bias=True)),
+    # DeepSeek noaux_tc: score bias, 4 groups keep 2, a shared expert, scaling factor
+    "deepseek_noaux_shared": (22 * 1024, dict(tokens=8, hidden=128, intermediate=64, experts=16, top_k=4,
+                                              router="sigmoid_topk", activation="silu", score_bias=True,
+                                              n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                              shared_experts=1)),
+    # a dense FFN (DeepSeek's first layers) of two shared experts, with biases
+    "dense_ffn": (16 * 1024, dict(tokens=6, hidden=128, intermediate=64, experts=0, top_k=1,
+                                  shared_experts=2, activation="silu", expert_bias=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_panel_program_bit_exact(name):
+    scratchpad, keys = CASES[name]
+    spec = _tiny(scratchpad)
+    shape = get_kernel("moe").shape(keys)
+    p = plan_moe(shape, spec)
+    assert isinstance(p, PanelPlan)
+    assert _sram_bytes(p, shape) <= scratchpad
+    assert len(p.down_blocks) > 1 or p.hk < p.h  # really paneled
+    report = run_kernel("moe", keys, preset=spec, check=True)
+    assert report.check["passed"]
+    assert report.check["max_abs_error"] == 0.0
+    assert report.notes["program"] == "panel"
+
+
+def test_panel_hbm_bytes_follow_the_slots():
+    """The routed weights read are D experts' (gathered by the routing), not all E."""
+    spec = _tiny(14 * 1024)
+    keys = dict(CASES["gpt_oss_biases"][1], distinct_experts=4, tokens=2)
+    small = run_kernel("moe", keys, preset=spec, check=True)
+    big = run_kernel("moe", dict(keys, distinct_experts=2), preset=spec)
+    per_expert = small.notes["expert_bytes"]
+    assert small.check["passed"]
+    assert small.summary["hbm_bytes"] - big.summary["hbm_bytes"] >= 2 * per_expert
+
+
+def test_dense_program_unchanged_where_it_fits():
+    """tiny's own scratchpad keeps the dense program (same plan as before this path existed)."""
+    spec = load_preset("tiny")
+    for _, keys in CASES.values():
+        shape = get_kernel("moe").shape(keys)
+        assert isinstance(plan_moe(shape, spec), MoePlan)
+
+
+def test_refuses_when_nothing_fits():
+    spec = _tiny(4 * 1024)
+    with pytest.raises(InvalidArgumentError, match="shape key"):
+        run_kernel("moe", CASES["gpt_oss_biases"][1], preset=spec)
+
+
+@pytest.mark.parametrize("preset", ["b200", "h200"])
+def test_real_models_plan_on_gpus(preset):
+    """gpt-oss-120b and DeepSeek-R1 / Kimi decode shapes plan on 228 KiB scratchpads."""
+    spec = load_preset(preset)
+    gpt_oss = dict(tokens=64, hidden=2880, intermediate=2880, experts=128, top_k=4, expert_bias=True,
+                   routing="uniform")
+    deepseek = dict(tokens=32, hidden=7168, intermediate=256, experts=32, top_k=8, router="sigmoid_topk",
+                    activation="silu", score_bias=True, routed_scaling_factor=2.5, routing="uniform")
+    dense = dict(tokens=64, hidden=7168, intermediate=2304, experts=0, top_k=1, shared_experts=1,
+                 activation="silu")
+    for keys in (gpt_oss, deepseek, dense):
+        shape = get_kernel("moe").shape(keys)
+        assert grouping_of(shape, spec) == "dense"
+        p = plan_moe(shape, spec)
+        assert isinstance(p, PanelPlan)
+        assert _sram_bytes(p, shape) <= spec.sram.scratchpad_bytes
+
+
+def test_real_shape_times_on_b200():
+    """A DeepSeek-R1 routed launch (tp=8 ep=8 slice) builds and times on b200 (timing only)."""
+    keys = dict(tokens=4, hidden=7168, intermediate=256, experts=32, top_k=8, router="sigmoid_topk",
+                activation="silu", score_bias=True, routed_scaling_factor=2.5, distinct_experts=16)
+    report = run_kernel("moe", keys, preset="b200", check=False, safety_checks=False)
+    s = report.summary
+    weights = 16 * report.notes["expert_bytes"]
+    assert s["hbm_bytes"] >= weights
+    assert s["time_s"] >= weights / 7.7e12

@@ -99,6 +99,7 @@ from .attention_engine import (
     _MAX_RING,
     _NBUF,
     _PREFILL_TILES,
+    _SRAM_SHARE,
     _assign,
     _Core,
     _fits,
@@ -485,8 +486,10 @@ def _prefill_tiles(seq: int, prior: int, t: int, w: int) -> tuple[_PrefillTiles,
 class _PrefillLayout:
     """Static choices of one attention-prefill instance.
 
-    plan: the engine's sizes; cap: cache capacity (tokens); tiles: key tiles per query tile;
-    patterns: mask pattern per delta; v_slots: phase-1 V staging buffers per core.
+    plan: the engine's sizes (``plan.hpk``: query heads per unit, all of a KV group's or, on
+    small scratchpads, a slice of them); cap: cache capacity (tokens); tiles: key tiles per query
+    tile; patterns: mask pattern per delta; v_slots: phase-1 V staging buffers per core;
+    p1_tokens: tokens per phase-1 chunk.
     """
 
     plan: _Plan
@@ -494,12 +497,57 @@ class _PrefillLayout:
     tiles: _PrefillTiles
     patterns: dict[int, np.ndarray]
     v_slots: int
+    p1_tokens: int
+
+
+def _prefill_extra_bytes(hq: int, d: int, t: int, p1_tokens: int, n_patterns: int) -> int:
+    """Scratchpad bytes per core besides the engine's buffers: sinks, [t, t] FP32 mask patterns,
+    phase-1 buffers (two slots of K^T in/out and V in BF16 and of cos and sin in FP32, two FP32
+    temporaries, ``p1_tokens`` wide)."""
+    w1 = p1_tokens
+    return (4 * hq + n_patterns * 4 * t * t + 2 * (3 * 2 * d * w1 + 2 * 4 * (d // 2) * w1)
+            + 2 * 4 * (d // 2) * w1 + 1024)
+
+
+def _lean_candidates(hpk: int, seq: int) -> list[tuple[int, int]]:
+    """(query heads per unit, tile tokens) of the small-scratchpad path, best first: a unit's
+    heads divide the KV group's ``hpk``; the (unit, KV tile) pairs, each a fixed cost of
+    instructions and a KV tile load, scale as 1/(heads * t^2), so the fewest come first."""
+    heads = [h for h in range(hpk, 0, -1) if hpk % h == 0]
+    ts = [t for t in _PREFILL_TILES if t <= max(32, seq)]
+    return sorted(((h, t) for h in heads for t in ts), key=lambda ht: (-ht[0] * ht[1] ** 2, -ht[0]))
+
+
+def _prefill_layout(shape: dict[str, Any], spec: ChipSpec, cap: int, hs: int, t: int, nbuf: int,
+                    lean: bool) -> _PrefillLayout | None:
+    """The layout with ``hs`` query heads and ``t`` tokens per unit, ``nbuf`` KV slots; None
+    when it does not fit the scratchpad or the accumulators."""
+    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
+    tiles, patterns = _prefill_tiles(seq, shape["prior"], t, shape["window"])
+    # The lean path writes the cache in 32-token chunks: its buffers do not grow with t.
+    p1 = 32 if lean else t
+    chunks = bsz * hkv * -(-seq // p1)
+    chunks_per_core = -(-chunks // min(spec.core.count, chunks))
+    plan = _Plan(hpk=hs, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16", sinks=shape["sinks"],
+                 scale=1 / math.sqrt(d), page_size=0, ring=1 if lean else 2, lean=lean)
+    extra = _prefill_extra_bytes(hq, d, t, p1, len(patterns))
+    if not _fits(plan, spec, extra):
+        return None
+    # Spare scratchpad stages more of a core's V chunks at once: a slot is free again only when
+    # its store has landed, a load-store round trip per reuse.
+    spare = _sram_left(plan, spec, extra) // (2 * d * p1)
+    return _PrefillLayout(plan, cap, tiles, patterns, max(1, min(chunks_per_core, 2 + spare)), p1)
 
 
 def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _PrefillLayout:
-    """The largest query/key tile that fits, and what goes with it; refuses impossible shapes."""
+    """The largest query/key tile that fits, and what goes with it; refuses impossible shapes.
+
+    First every head of a KV group per unit (one KV tile load serves them all), the largest
+    tile first; when not even 32 tokens of them fit (GPU shared memory), the lean path: fewer
+    heads per unit (the group's KV tiles are read once per slice of heads) and leaner buffers.
+    """
     _check_common(shape)
-    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
+    seq, hq, hkv, d = (shape[k] for k in ("seq", "q_heads", "kv_heads", "head_dim"))
     if shape["kv_dtype"] != "bf16":
         raise InvalidArgumentError(
             f"shape key kv_dtype={shape['kv_dtype']!r}: prefill reads and writes a BF16 KV cache "
@@ -507,28 +555,30 @@ def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _PrefillLayout:
     if seq % 32:
         raise InvalidArgumentError(f"shape key seq={seq} must be a multiple of 32: P.V contracts "
                                    "over keys in 32-token matrix-unit blocks (pad the prompt)")
-    cap = _prefill_cap(shape)
+    cap, hpk = _prefill_cap(shape), hq // hkv
     for t in _PREFILL_TILES:
         if t > max(32, seq):
             continue
-        tiles, patterns = _prefill_tiles(seq, shape["prior"], t, shape["window"])
-        chunks = bsz * hkv * -(-seq // t)
-        chunks_per_core = -(-chunks // min(spec.core.count, chunks))
         for nbuf in (_NBUF, 2):  # prefill is vector-bound: two KV slots in flight are enough
-            plan = _Plan(hpk=hq // hkv, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16",
-                         sinks=shape["sinks"], scale=1 / math.sqrt(d), page_size=0)
-            # sinks, mask patterns, phase-1 buffers (two slots of K^T in/out and V in BF16 and of
-            # cos and sin in FP32, two FP32 temporaries)
-            extra = (4 * hq + len(patterns) * 4 * t * t + 2 * (3 * 2 * d * t + 2 * 4 * (d // 2) * t)
-                     + 2 * 4 * (d // 2) * t + 1024)
-            if _fits(plan, spec, extra):
-                # Spare scratchpad stages more of a core's V chunks at once: a slot is free again
-                # only when its store has landed, a load-store round trip per reuse.
-                spare = _sram_left(plan, spec, extra) // (2 * d * t)
-                return _PrefillLayout(plan, cap, tiles, patterns, max(1, min(chunks_per_core, 2 + spare)))
+            lay = _prefill_layout(shape, spec, cap, hpk, t, nbuf, lean=False)
+            if lay is not None:
+                return lay
+    for hs, t in _lean_candidates(hpk, seq):
+        for nbuf in (_NBUF, 2):
+            lay = _prefill_layout(shape, spec, cap, hs, t, nbuf, lean=True)
+            if lay is not None:
+                return lay
+    smallest = _Plan(hpk=1, d=d, tk=32, nq_max=32, nbuf=2, kv_dtype="bf16", sinks=shape["sinks"],
+                     scale=1.0, page_size=0, ring=1, lean=True)
+    n_patterns = len(_prefill_tiles(seq, shape["prior"], 32, shape["window"])[1])
+    need = int(_SRAM_SHARE * spec.sram.scratchpad_bytes) - _sram_left(
+        smallest, spec, _prefill_extra_bytes(hq, d, 32, 32, n_patterns))
     raise InvalidArgumentError(
-        f"shape key head_dim={d} with q_heads/kv_heads={hq // hkv}: one 32-token query tile of "
-        f"every head of a KV group does not fit {spec.name}'s scratchpad or accumulators")
+        f"shape key head_dim={d} (q_heads/kv_heads={hpk}, window={shape['window']}): one 32-token "
+        f"query tile of a single head needs {need:,} B of scratchpad per core and "
+        f"{smallest.acc_bytes():,} B of accumulators; {spec.name} has {spec.sram.scratchpad_bytes:,} B "
+        f"({int(_SRAM_SHARE * spec.sram.scratchpad_bytes):,} B usable) and "
+        f"{spec.sram.accumulator_bytes:,} B")
 
 
 def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
@@ -551,7 +601,7 @@ def _emit_cache_writes(kb: KernelBuilder, spec: ChipSpec, shape: dict[str, Any],
     value): signalled once per core after its last store, so (sem, cores) means the whole chunk
     is in the cache.
     """
-    t, cap, nv = lay.plan.tk, lay.cap, lay.v_slots
+    t, cap, nv = lay.p1_tokens, lay.cap, lay.v_slots
     bsz, seq, prior, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "kv_heads", "head_dim"))
     h2 = d // 2
     chunks = [(row, c0, min(t, seq - c0)) for row in range(bsz * hkv) for c0 in range(0, seq, t)]
@@ -631,7 +681,7 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     plan, cap, unit_tiles, patterns = lay.plan, lay.cap, lay.tiles, lay.patterns
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
-    hpk, t, h2, pad_k = plan.hpk, plan.tk, d // 2, _k_pad(spec, "bf16")
+    hpk, hs, t, h2, pad_k = hq // hkv, plan.hpk, plan.tk, d // 2, _k_pad(spec, "bf16")
     n_tiles, ctx = -(-seq // t), prior + seq
     deltas = sorted(patterns)
 
@@ -656,12 +706,13 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         for g in range(hkv):
             for qi in range(n_tiles):
                 q0, nq = qi * t, min(t, seq - qi * t)
-                heads = range(g * hpk, (g + 1) * hpk)
-                unit = _Unit(heads=hpk, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                             out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                             sink_row=g * hpk, cos=hbm["rope_cos"].sub(prior + q0, 0, nq, h2),
-                             sin=hbm["rope_sin"].sub(prior + q0, 0, nq, h2), key=(bb, g, qi))
-                units.append(unit)
+                for h0 in range(g * hpk, (g + 1) * hpk, hs):  # one slice: the whole group unless lean
+                    heads = range(h0, h0 + hs)
+                    unit = _Unit(heads=hs, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                                 out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
+                                 sink_row=h0, cos=hbm["rope_cos"].sub(prior + q0, 0, nq, h2),
+                                 sin=hbm["rope_sin"].sub(prior + q0, 0, nq, h2), key=(bb, g, qi, h0))
+                    units.append(unit)
     cores = min(spec.core.count, len(units))
     per_core = _assign(units, [len(unit_tiles[u.key[2]]) for u in units], cores)
     written = _emit_cache_writes(kb, spec, shape, lay, hbm)
@@ -679,7 +730,7 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             masks_s = kb.sram(c, "masks", (len(deltas) * t, t), "f32")
             consts.append((masks_s, mask_h))
         for unit in mine:
-            bb, g, qi = unit.key
+            bb, g, qi, _ = unit.key
             row = bb * hkv + g
             for k0, nk, delta in unit_tiles[qi]:
                 # K tiles wholly in the prior context need not wait for phase 1's writes.
@@ -720,7 +771,8 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
 
     notes = {"tile_tokens": t, "units": len(units), "cores": cores, "kv_tiles": sum(
         len(u.steps) for u in units), "mask_patterns": len(deltas), "prior": prior, "cache_capacity": cap,
-        "phase1_cores": written[1], "v_staging_slots": lay.v_slots}
+        "phase1_cores": written[1], "v_staging_slots": lay.v_slots, "heads_per_unit": hs,
+        "kv_slots": plan.nbuf, "lean": plan.lean}
     return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
                        outputs={"out": ("bf16", (bsz * seq, hq * d)),
                                 "k_cache": ("bf16", (bsz * hkv * d, cap + pad_k)),

@@ -52,7 +52,7 @@ class _Unit:
     sink_row: int  # first query head (row of the sinks table)
     cos: Tile | None = None  # prefill: HBM [nq, D/2] per-position tables
     sin: Tile | None = None
-    key: tuple = ()  # decode (sequence, KV head); prefill (sequence, KV head, query tile)
+    key: tuple = ()  # decode (sequence, KV head); prefill (sequence, KV head, query tile, first head)
     steps: list[_Step] = field(default_factory=list)
 
     @property
@@ -74,6 +74,11 @@ class _Plan:
     scale: float
     page_size: int  # 0: contiguous
     ring: int = 2  # query-in and output buffers per core (>= units per core: no reuse waits)
+    lean: bool = False  # small scratchpads (prefill): one query/output/RoPE-table buffer
+    # (ring 1) and RoPE temporaries of one head's rows; costs a wait at each unit change
+
+    def __post_init__(self) -> None:
+        assert not self.lean or self.ring == 1, "a lean plan keeps one query/output buffer"
 
     @property
     def kv_queues(self) -> int:
@@ -84,6 +89,14 @@ class _Plan:
     @property
     def r_max(self) -> int:
         return self.hpk * self.nq_max
+
+    def slots(self, name: str) -> int:
+        """Buffers of a per-unit kind: the query ring, its RoPE tables, or the double buffers."""
+        if name in ("qraw", "outb"):
+            return self.ring
+        if name in ("cos", "sin"):
+            return min(2, self.ring)  # loaded with the queries: free when the ring slot is
+        return 2
 
     def sram_buffers(self) -> list[tuple[str, tuple[int, int], str]]:
         """(name, shape, dtype) of every per-core scratchpad buffer of the engine."""
@@ -99,10 +112,12 @@ class _Plan:
         for s in range(2):
             out += [(f"qrot{s}", (r, d), "bf16"), (f"p{s}", (r, tk), "bf16"), (f"O{s}", (r, d), "f32"),
                     (f"m{s}", (r, 1), "f32"), (f"l{s}", (r, 1), "f32"), (f"alpha{s}", (r, 1), "f32")]
-            if self.nq_max > 1:
+            if self.nq_max > 1 and s < self.slots("cos"):
                 out += [(f"cos{s}", (self.nq_max, h), "f32"), (f"sin{s}", (self.nq_max, h), "f32")]
-        out += [("s", (r, tk), "f32"), ("o", (r, d), "f32"), ("t1", (r, h), "f32"),
-                ("t2", (r, h), "f32"), ("mt", (r, 1), "f32"), ("rs", (r, 1), "f32"),
+        # Prefill rotates one head's rows at a time (decode all rows at once).
+        rope_rows = self.nq_max if self.lean and self.nq_max > 1 else r
+        out += [("s", (r, tk), "f32"), ("o", (r, d), "f32"), ("t1", (rope_rows, h), "f32"),
+                ("t2", (rope_rows, h), "f32"), ("mt", (r, 1), "f32"), ("rs", (r, 1), "f32"),
                 ("rcp", (r, 1), "f32")]
         return out
 
@@ -157,7 +172,7 @@ class _Core:
     def b(self, name: str, parity: int | None = None) -> Tile:
         if parity is None:
             return self.buf[name]
-        return self.buf[f"{name}{parity % (self.p.ring if name in ('qraw', 'outb') else 2)}"]
+        return self.buf[f"{name}{parity % self.p.slots(name)}"]
 
     # -- DMA queues ---------------------------------------------------------------------------
     def emit_loads(self, k_gate: tuple | None, v_gate: tuple | None) -> None:

@@ -1,6 +1,7 @@
-"""attention-prefill on small scratchpads (GPU shared memory): the lean path that splits a KV
-group's query heads over several units, functionally at tiny shapes on a shrunk ``tiny``, and the
-real gpt-oss shapes building on b200 (timing only)."""
+"""attention-prefill and attention-decode on small scratchpads (GPU shared memory): prefill's lean
+path that splits a KV group's query heads over several units, decode's fewer KV slots and query
+ring of two, functionally at tiny shapes on a shrunk ``tiny``, and the real gpt-oss shapes
+building on b200/h200 (timing only)."""
 
 import numpy as np
 import pytest
@@ -65,3 +66,33 @@ def test_gpt_oss_tp8_prefill_chunk_builds_on_gpu_presets(preset):
     # QK^T and PV of every query row over at least its 128-key window
     assert r.summary["flops"] >= 4 * 8 * 64 * 2048 * 128
     assert r.summary["time_s"] >= r.summary["lower_bound_s"]
+
+
+@pytest.mark.parametrize("kib, shape, slots", [
+    (40, {}, 3),  # three KV slots: slot reuse out of step with the two accumulator buffers
+    (48, {"batch": 8, "q_heads": 8, "kv_heads": 2}, 4),  # 8 units per core through a ring of 2
+    (48, {"page_size": 64, "kv_dtype": "fp8e4", "window": 100}, 2),  # MXFP8 pages, 2 slots
+])
+def test_lean_decode_matches_reference(kib, shape, slots):
+    r = run_kernel("attention-decode", shape, preset=_tiny(kib), check=True)
+    assert r.notes["kv_slots"] == slots
+    assert r.check["passed"], r.check
+
+
+def test_decode_too_small_scratchpad_is_refused_with_the_numbers():
+    with pytest.raises(InvalidArgumentError, match=r"head_dim=64 .*32-token KV tile does not fit "
+                                                   r"tiny's 16,384 B scratchpad \(2 slots"):
+        run_kernel("attention-decode", {}, preset=_tiny(16))
+
+
+def test_gpt_oss_decode_builds_on_a_64kib_scratchpad():
+    """MI300X-sized LDS (64 KiB): gpt-oss tp=8 decode, two KV slots of 64 keys; it reads each KV
+    byte once, as with six slots at 228 KiB, only slower (fewer bytes in flight per core)."""
+    shape = dict(batch=148, context=2048, q_heads=8, kv_heads=1, head_dim=64)
+    small = run_kernel("attention-decode", shape, check=False, safety_checks=False,
+                       preset=apply_overrides(load_preset("b200"), ["sram.scratchpad_bytes=64KiB"]))
+    full = run_kernel("attention-decode", shape, preset="b200", check=False, safety_checks=False)
+    assert (small.notes["kv_slots"], full.notes["kv_slots"]) == (2, 6)
+    kv_bytes = 148 * 2048 * 64 * 2 * 2
+    assert kv_bytes <= small.summary["hbm_bytes"] == full.summary["hbm_bytes"] < 1.01 * kv_bytes
+    assert full.summary["time_s"] < small.summary["time_s"] < 3 * full.summary["time_s"]

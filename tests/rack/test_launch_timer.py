@@ -2,6 +2,7 @@
 
 import pytest
 
+from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels.base import KernelDef
 from jalapeno_emu.kernels.registry import get_kernel, register
@@ -64,7 +65,9 @@ def test_a_kernel_that_cannot_run_on_a_gpu_preset_says_which_and_why():
     la = launch(
         "attention", "attention-prefill", batch=1, seq=64, prior=0, q_heads=64, kv_heads=8, head_dim=64
     )
+    # 16 KiB: not even one 32-token tile of one head fits (228 KiB builds since the lean path).
+    cramped = apply_overrides(load_preset("gb300-nvl72"), ["sram.scratchpad_bytes=16KiB"])
     with pytest.raises(
         InvalidArgumentError, match=r"kernel attention-prefill cannot run on gb300-nvl72: .*scratchpad"
     ):
-        LaunchTimer("gb300-nvl72").time(la)
+        LaunchTimer(cramped).time(la)

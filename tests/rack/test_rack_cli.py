@@ -1,6 +1,7 @@
 """``serve``, ``sweep`` and ``compare``: JSON contract fields, files written, one-line errors."""
 
 import json
+import re
 
 import pytest
 
@@ -120,10 +121,16 @@ def test_compare_reports_ratios_at_matched_concurrencies(capsys):
     )
 
 
-def test_compare_fails_loudly_for_a_preset_whose_kernels_refuse_the_model(capsys):
-    assert (
-        main(["compare", "--model", "gpt-oss-120b", "--presets", "gb300-nvl72,h200", "--concurrency", "1"])
-        == 2
-    )
+def test_compare_fails_loudly_for_a_preset_whose_kernels_refuse_the_model(capsys, tmp_path):
+    # GPU presets whose shared memory is shrunk until no kernel tiling fits.
+    paths = []
+    for base in ("gb300-nvl72", "h200"):
+        path = tmp_path / f"cramped-{base}.toml"
+        path.write_text(f'inherits = "{base}"\nname = "cramped-{base}"\n[sram]\n'
+                        'scratchpad_bytes = { value = "4KiB", assumed = "too small for any tiling" }\n')
+        paths.append(str(path))
+    args = ["compare", "--model", "gpt-oss-120b", "--presets", ",".join(paths), "--concurrency", "1"]
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert "gb300-nvl72: kernel moe cannot run on gb300-nvl72" in err and "h200: kernel moe" in err
+    assert re.search(r"cramped-gb300-nvl72.toml: kernel \S+ cannot run on cramped-gb300-nvl72", err), err
+    assert re.search(r"cramped-h200.toml: kernel \S+ cannot run on cramped-h200", err), err

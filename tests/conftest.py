@@ -1,0 +1,18 @@
+"""Session-wide test settings."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_timing_cache_in_a_temporary_directory(tmp_path_factory):
+    """The rack's disk cache of kernel timings goes to a temporary directory, not the user's
+    ``~/.cache/jalapeno-emu`` (the demo and the rack commands write it by default)."""
+    old = os.environ.get("JALAPENO_EMU_CACHE_DIR")
+    os.environ["JALAPENO_EMU_CACHE_DIR"] = str(tmp_path_factory.mktemp("jalapeno-emu-cache"))
+    yield
+    if old is None:
+        os.environ.pop("JALAPENO_EMU_CACHE_DIR", None)
+    else:
+        os.environ["JALAPENO_EMU_CACHE_DIR"] = old

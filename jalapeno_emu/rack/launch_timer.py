@@ -20,11 +20,14 @@ a hash of the chip spec and a hash of the source of every module that decides a 
 timing (kernels, ISA, emulator, chip spec, MX numerics). Editing any of them starts a new file,
 so a cached figure is always what this code would compute.
 
-**Re-timing** (for calibration): ``keep_programs=True`` keeps every Program built, so
-:meth:`LaunchTimer.program` hands it to a timer of a spec that differs only in timing fields (a
-subclass overriding :meth:`LaunchTimer._timed_summary`, e.g. ``jalapeno_emu.validation.retime``),
-which re-runs the timing pass instead of rebuilding; :func:`install_timer` makes such a timer the
-one :func:`shared_timer` (hence the rack step model) uses for its spec.
+**Re-timing** (for calibration). A Program depends on a spec's structural fields only, so timers
+of specs that differ in timing fields alone can share builds: a timer's ``followers`` (timers of
+such specs) get every Program this timer builds timed on their own spec too, as it is built, and
+the Program is then dropped (GPU-preset Programs run to millions of instructions; keeping them
+costs gigabytes). ``keep_programs=True`` instead keeps every Program built, so
+:meth:`LaunchTimer.program` can hand it to a subclass overriding :meth:`LaunchTimer._timed_summary`
+later. :func:`install_timer` makes such a timer the one :func:`shared_timer` (hence the rack step
+model) uses for its spec.
 """
 
 from __future__ import annotations
@@ -153,6 +156,9 @@ class LaunchTimer:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
         self._times: dict[tuple[str, tuple], LaunchTime] = {}
         self._programs: dict[tuple[str, tuple], Any] | None = {} if keep_programs else None
+        self.followers: list[LaunchTimer] = []
+        """Timers of specs differing only in timing fields: each Program built here is also timed
+        on theirs (see the module docstring)."""
         self.builds = 0
         """Programs built and timed in this process (cache misses)."""
         self.build_wall_s = 0.0
@@ -214,11 +220,20 @@ class LaunchTimer:
 
     def _timed_summary(self, launch: Launch, shape: dict[str, Any]) -> dict[str, Any]:
         """The timing pass's summary of ``launch`` on this spec (built here unless programs are kept)."""
-        if self._programs is not None:
+        if self._programs is not None or self.followers:
             prog = self.program(launch)
             with gc_paused():
+                for follower in self.followers:
+                    follower._adopt(launch, run_timing(prog, follower.spec).summary())
                 return run_timing(prog, self.spec).summary()
         return _build_and_time(launch, shape, self.spec)
+
+    def _adopt(self, launch: Launch, summary: dict[str, Any]) -> None:
+        """Take a timing-pass summary of ``launch`` on this spec computed by a leader's build."""
+        key = (launch.kernel, launch.shape)
+        if key not in self._times:
+            self._times[key] = _launch_time(summary)
+            self._remember(launch, self._times[key])
 
     def _measure(self, launch: Launch, split: bool) -> LaunchTime:
         shape = launch.shape_dict
@@ -231,13 +246,7 @@ class LaunchTimer:
             return self._split(launch, shape, exc)
         self.builds += 1
         self.build_wall_s += time.perf_counter() - t0
-        out = LaunchTime(
-            float(s["time_s"]),
-            float(s["hbm_bytes"]),
-            float(s["flops"]),
-            str(s["bound"]),
-            int(s["instructions"]),
-        )
+        out = _launch_time(s)
         self._remember(launch, out)
         return out
 
@@ -268,6 +277,16 @@ class LaunchTimer:
                 fh.write(line)
         except OSError:
             self._file = None  # an unwritable cache directory only costs speed
+
+
+def _launch_time(summary: dict[str, Any]) -> LaunchTime:
+    return LaunchTime(
+        float(summary["time_s"]),
+        float(summary["hbm_bytes"]),
+        float(summary["flops"]),
+        str(summary["bound"]),
+        int(summary["instructions"]),
+    )
 
 
 def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> dict[str, Any]:

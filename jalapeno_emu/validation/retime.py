@@ -6,15 +6,18 @@ multiple of the preset's own value (``sync.kernel_launch_s``, ``link.message_set
 setting means the same for every preset of a family.
 
 A kernel's Program is built from the structural fields (cores, tiles, scratchpad, ...), so a
-setting is priced by re-timing, not rebuilding (:class:`RetimedTimer`):
+setting is priced by re-timing, not rebuilding (:func:`setting_timers`):
 
+- ``hbm.efficiency`` changes the timing pass: one timer per distinct value follows the preset's
+  timer (``LaunchTimer.followers``), so every Program the preset's timer builds is also timed at
+  that value as it is built, then dropped. Kernels choose some plans from hbm.efficiency as a cost
+  estimate (gemm's decode relay, the MoE slice width); the re-timed Program keeps the plan chosen
+  at the preset's own value, which is what a fixed software stack does when the memory turns out
+  slower. A launch the preset's timer never built is built by the follower itself.
 - ``link.*`` enters no registered kernel (the rack prices collectives analytically from the spec)
   and ``sync.kernel_launch_s`` is added once per launch to its time, so a setting that changes only
-  these takes the base timer's figures plus the launch-cost difference per launch piece (exact);
-- ``hbm.efficiency`` changes the timing pass: the base timer's kept Program is re-timed on the
-  changed spec. Kernels choose some plans from hbm.efficiency as a cost estimate (gemm's decode
-  relay, the MoE slice width); the re-timed Program keeps the plan chosen at the preset's own
-  value, which is what a fixed software stack does when the memory turns out slower.
+  these takes its hbm value's figures plus the launch-cost difference per launch piece (exact,
+  :class:`RetimedTimer`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
 from jalapeno_emu.rack.launch_timer import LaunchTime, LaunchTimer
 
-__all__ = ["DEFAULT_GRID", "KNOBS", "KnobSetting", "RetimedTimer", "knob_spec"]
+__all__ = ["DEFAULT_GRID", "KNOBS", "KnobSetting", "RetimedTimer", "knob_spec", "setting_timers"]
 
 KNOBS = ("hbm.efficiency", "sync.kernel_launch_s", "link.efficiency", "link.message_setup_s")
 """The calibrated fields: timing only, each marked ``calibration knob`` in the GPU presets."""
@@ -122,3 +125,31 @@ class RetimedTimer(LaunchTimer):
         prog = self.base.program(launch)
         with gc_paused():
             return run_timing(prog, self.spec).summary()
+
+
+def setting_timers(
+    preset: ChipSpec, grid: tuple[KnobSetting, ...] | list[KnobSetting], *, disk_cache: bool = False
+) -> tuple[LaunchTimer, dict[KnobSetting, LaunchTimer]]:
+    """The preset's timer and one timer per setting of ``grid``, wired so that a Program is built
+    once for all of them (see the module docstring).
+
+    Returns:
+        (the preset's own timer, setting -> the timer that prices it); settings equal to the
+        preset's values map to the preset's timer.
+    """
+    base = LaunchTimer(preset, disk_cache=disk_cache)
+    by_hbm: dict[float, LaunchTimer] = {preset.hbm.efficiency: base}
+    out: dict[KnobSetting, LaunchTimer] = {}
+    for setting in grid:
+        spec = knob_spec(preset, setting)
+        if spec is preset:
+            out[setting] = base
+            continue
+        h = setting.hbm_efficiency
+        lead = by_hbm.get(h)
+        if lead is None:
+            hbm_spec = preset.replace(name=f"{preset.name}~hbm={h:g}", **{"hbm.efficiency": h})
+            lead = by_hbm[h] = LaunchTimer(hbm_spec, disk_cache=disk_cache)
+            base.followers.append(lead)
+        out[setting] = RetimedTimer(spec, lead, disk_cache=disk_cache)
+    return base, out

@@ -33,10 +33,10 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.rack.deployment import predict
-from jalapeno_emu.rack.launch_timer import LaunchTimer, install_timer
+from jalapeno_emu.rack.launch_timer import install_timer
 from jalapeno_emu.validation.calibrate import fit_setting, leave_one_out, mape, relative_errors
 from jalapeno_emu.validation.points import METRICS, load_points
-from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, RetimedTimer, knob_spec
+from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, knob_spec, setting_timers
 from jalapeno_emu.validation.rows import RowPlan, model_config, plan_row
 
 __all__ = ["FAMILIES", "NODE_GPUS", "parse_rows", "run_validation"]
@@ -91,21 +91,20 @@ def _one_line(exc: BaseException) -> str:
 
 
 class _Group:
-    """Timers of one preset: the base one keeps Programs; each knob setting gets a RetimedTimer."""
+    """Timers of one preset and its knob settings, wired to build each Program once
+    (:func:`~jalapeno_emu.validation.retime.setting_timers`) and installed as the shared timers
+    the rack step model picks up."""
 
-    def __init__(self, preset: str) -> None:
+    def __init__(self, preset: str, grid: Sequence[KnobSetting]) -> None:
         self.spec = load_preset(preset)
-        self.base = LaunchTimer(self.spec, disk_cache=True, keep_programs=True)
-        install_timer(self.base, disk_cache=True)
+        self.base, self.timers = setting_timers(self.spec, list(grid), disk_cache=True)
         self.specs: dict[KnobSetting, ChipSpec] = {}
+        for setting, timer in self.timers.items():
+            self.specs[setting] = timer.spec
+            install_timer(timer, disk_cache=True)
 
     def spec_of(self, setting: KnobSetting) -> ChipSpec:
-        spec = self.specs.get(setting)
-        if spec is None:
-            spec = self.specs[setting] = knob_spec(self.spec, setting)
-            if spec is not self.spec:
-                install_timer(RetimedTimer(spec, self.base, disk_cache=True), disk_cache=True)
-        return spec
+        return self.specs[setting]
 
 
 def _identity(grid: Sequence[KnobSetting], spec: ChipSpec) -> int:
@@ -152,7 +151,7 @@ def run_validation(
         if p.cls != "not-predicted":
             groups.setdefault(p.preset or "", []).append(i)
     for preset, members in groups.items():
-        g = _Group(preset)
+        g = _Group(preset, grid if calibrate else grid[ids[preset]:ids[preset] + 1])
         for i in members:
             order = [ids[preset]] + ([s for s in range(len(grid)) if s != ids[preset]]
                                      if calibrate and cls[i] == "fit" else [])
@@ -168,17 +167,15 @@ def run_validation(
                         break
                 finally:
                     progress and progress(f"row {plans[i].point.row} {preset} {grid[s].label}")
-            g.base.drop_programs()  # Programs are large: keep one row's (its settings re-time them)
     summary, calibrated = _summarise(plans, cls, P, measured, grid, ids, calibrate)
     for i in _predicted_only(cls):
         s = calibrated.get(FAMILIES[plans[i].preset or ""])
         if s is not None and s != ids[plans[i].preset or ""]:
-            g = _Group(plans[i].preset or "")
+            g = _Group(plans[i].preset or "", [grid[s]])
             try:
                 _, P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]), mappings[i])
             except Exception as exc:  # reported with the row
                 reasons[i].append(f"at the calibrated knobs: {_one_line(exc)}")
-            g.base.drop_programs()
     summary["mape_predicted_only"] = _mape_block(
         _predicted_only(cls), P, measured, [ids.get(p.preset or "", 0) for p in plans],
         [calibrated.get(FAMILIES.get(p.preset or "", ""), -1) for p in plans])

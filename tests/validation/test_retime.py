@@ -6,7 +6,7 @@ from jalapeno_emu.chip import load_preset
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.plan import launch
 from jalapeno_emu.rack.launch_timer import LaunchTimer, install_timer, shared_timer
-from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, RetimedTimer, knob_spec
+from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, RetimedTimer, knob_spec, setting_timers
 
 NORM = launch("norm", "rmsnorm", tokens=64, hidden=2048)
 GEMM = launch("proj", "gemm", m=64, n=1024, k=1024, weight_fmt="fp4", act_fmt="bf16", bias=False)
@@ -65,3 +65,21 @@ def test_an_installed_timer_is_the_shared_one(base):
     timer = RetimedTimer(spec, base)
     install_timer(timer)
     assert shared_timer(spec) is timer
+
+
+def test_setting_timers_build_each_program_once_for_every_setting():
+    preset = load_preset("b200")
+    grid = [KnobSetting(h, ls, 0.85, 1.0) for h in (0.6, 0.9) for ls in (1.0, 2.0)]
+    base, timers = setting_timers(preset, grid)
+    assert timers[KnobSetting(0.9, 1.0, 0.85, 1.0)] is base
+    assert len(base.followers) == 1  # one follower per distinct hbm value other than the preset's
+    for la in (NORM, GEMM):
+        base.time(la)
+    assert base.builds == 2
+    for setting, timer in timers.items():
+        fresh = LaunchTimer(knob_spec(preset, setting))
+        for la in (NORM, GEMM):
+            assert timer.time(la).time_s == pytest.approx(fresh.time(la).time_s, rel=1e-12), setting.label
+    # The followers adopted the base's builds: nothing was built again.
+    assert base.builds == 2 and base.followers[0].builds == 0
+    assert all(t.builds == 0 for t in timers.values() if t is not base)

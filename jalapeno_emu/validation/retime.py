@@ -151,5 +151,6 @@ def setting_timers(
             hbm_spec = preset.replace(name=f"{preset.name}~hbm={h:g}", **{"hbm.efficiency": h})
             lead = by_hbm[h] = LaunchTimer(hbm_spec, disk_cache=disk_cache)
             base.followers.append(lead)
-        out[setting] = RetimedTimer(spec, lead, disk_cache=disk_cache)
+        # Exact sums of the lead's figures: not worth a cache file per setting.
+        out[setting] = RetimedTimer(spec, lead)
     return base, out

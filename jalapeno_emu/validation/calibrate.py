@@ -9,6 +9,7 @@ percentage error over every (row, metric) pair that has a measurement.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,12 +37,9 @@ def mape(errors: np.ndarray, axis: tuple[int, ...] | None = None) -> np.ndarray 
     if axis is None:
         a = a[~np.isnan(a)]
         return float(np.median(a)) if a.size else float("nan")
-    with np.errstate(all="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return np.nanmedian(a, axis=axis)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices give NaN, as documented
+        return np.nanmedian(a, axis=axis)
 
 
 def fit_setting(predicted: np.ndarray, measured: np.ndarray, rows: Sequence[int]) -> tuple[int, np.ndarray]:

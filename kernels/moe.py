@@ -353,8 +353,10 @@ def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:
         return g
     t, h = shape["tokens"], shape["hidden"]
     fits = 4 * t * h + 2 * 4 * t * 2 * 32 + 4 * t * 128 <= spec.sram.accumulator_bytes
-    if t > _DENSE_TOKENS or fits:
-        return "dense" if fits else "gather"
+    if t > _DENSE_TOKENS:
+        return "gather"
+    if fits:
+        return "dense"
     # A small scratchpad (GPU shared memory) that the gather program does not fit either: the
     # slot program's panel form (``moe_panel``) keeps the partial in HBM.
     if _gather_fits(shape, spec) or not _panel_fits(shape, spec):

@@ -3,9 +3,9 @@
 Stage: validation, the engine behind ``jalapeno-emu validate``.
 
 A row is predicted with :func:`jalapeno_emu.rack.deployment.predict` on its preset at its
-ISL/OSL/concurrency, on the 8 GPUs of one node (the stated TP8 mapping where the source gives it,
-else the best mapping for throughput per GPU: the points are each GPU's highest-throughput
-configuration), kernel timings cached on disk.
+ISL/OSL/concurrency, within one 8-GPU node (the preset's scale-up domain): the stated TP8 mapping
+where the source gives it, else the best mapping for throughput per GPU over 1 to 8 GPUs (the
+points are each GPU's highest-throughput configuration), kernel timings cached on disk.
 
 Calibration is per GPU family (NVIDIA: b200, h100, h200; AMD: mi300x, mi325x, mi355x): the knobs
 stand for the software stack (CUDA/NCCL/TensorRT-LLM vs ROCm/RCCL) as much as for the silicon, and
@@ -39,13 +39,12 @@ from jalapeno_emu.validation.points import METRICS, load_points
 from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, knob_spec, setting_timers
 from jalapeno_emu.validation.rows import RowPlan, model_config, plan_row
 
-__all__ = ["FAMILIES", "NODE_GPUS", "parse_rows", "run_validation"]
+__all__ = ["FAMILIES", "parse_rows", "run_validation"]
 
 FAMILIES = {"b200": "nvidia", "h100": "nvidia", "h200": "nvidia", "mi300x": "amd", "mi325x": "amd",
             "mi355x": "amd"}
 """Preset -> the family whose fit rows calibrate it."""
 
-NODE_GPUS = 8
 _COLS = list(METRICS)
 Progress = Callable[[str], None]
 
@@ -77,9 +76,11 @@ def _predict_row(plan: RowPlan, spec: ChipSpec, mapping: str | None = None) -> t
     stated one, else the best for throughput per GPU on one node)."""
     p = plan.point
     assert p.concurrency is not None
-    mapping = mapping or plan.mapping
-    pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=mapping,
-                   objective="throughput", chips=None if mapping else NODE_GPUS, disk_cache=True)
+    # Without a stated mapping, every GPU count of the node is searched (1 to 8 on the HGX and
+    # MI300-series presets, whose scale-up domain is the node): an InferenceX point is the best
+    # throughput per GPU at its concurrency, often on fewer than all eight GPUs.
+    pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=mapping or plan.mapping,
+                   objective="throughput", disk_cache=True)
     d = pred.as_dict()
     vals = [d[METRICS[c]] for c in _COLS]
     return pred.mapping.name, np.array([math.nan if v is None else float(v) for v in vals])

@@ -395,8 +395,10 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec) -> MoePlan | GatherPlan | Pa
             raise
         try:  # small scratchpads: the same slots, through HBM in panels
             return plan_panel(shape, spec, _slots(shape))
-        except InvalidArgumentError:
-            raise exc from None
+        except InvalidArgumentError as panel_exc:
+            raise InvalidArgumentError(
+                f"{exc.message}; nor does the panel form for small scratchpads: {panel_exc.message}",
+                hint=panel_exc.hint or exc.hint) from None
 
 
 def _plan_dense(shape: dict[str, Any], spec: ChipSpec) -> MoePlan:

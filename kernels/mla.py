@@ -409,6 +409,53 @@ class _Flash:
         return 2 * rows * tcols * 4 + 2 * rows * dv * 4
 
 
+def _decode_build(kb: KernelBuilder, batch: tuple[int, int, int], dims: tuple[int, int, int, int, int],
+                  scale: float, notes: dict[str, Any]) -> KernelBuild:
+    """The KernelBuild of an mla-decode Program (either tiling): its inputs, reference and output.
+
+    Args:
+        batch: (sequences B, context C, cache capacity per sequence); dims: (heads, rank, rope,
+            nope, v head dim); scale: softmax scale; notes: the tiling's figures.
+    """
+    (B, C, cap), (H, R, P, N, V) = batch, dims
+    ref_dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        return _inputs(seed, B * H, (B, C, cap), H, R, P, N, V)
+
+    def reference(inputs):
+        return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                            batch=B, context=C, capacity=cap, **ref_dims)}
+
+    return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
+                       outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE, notes=notes)
+
+
+def _prefill_build(kb: KernelBuilder, batch: tuple[int, int, int, int, int, int],
+                   dims: tuple[int, int, int, int, int], scale: float, notes: dict[str, Any]) -> KernelBuild:
+    """The KernelBuild of an mla-prefill Program (either tiling): its inputs (with the causal mask
+    of one T-token tile), reference and output.
+
+    Args:
+        batch: (sequences B, new tokens S, tile T, context C, cache capacity, prior tokens);
+            dims: (heads, rank, rope, nope, v head dim); scale: softmax scale; notes: the tiling's figures.
+    """
+    (B, S, T, C, cap, prior), (H, R, P, N, V) = batch, dims
+    ref_dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
+
+    def make_inputs(seed: int) -> dict[str, Any]:
+        ins = _inputs(seed, B * S * H, (B, C, cap), H, R, P, N, V)
+        ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
+        return ins
+
+    def reference(inputs):
+        return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
+                                             batch=B, seq=S, prior=prior, capacity=cap, **ref_dims)}
+
+    return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
+                       outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE, notes=notes)
+
+
 def _rows_of(t: Tile, first: int, count: int, every: int) -> Tile:
     """``count`` rows of HBM/SRAM tile ``t`` starting at ``first``, taking every ``every``-th row."""
     return Tile(t.space, t.core, t.offset + first * t.stride, t.dtype, count, t.cols, t.stride * every)
@@ -599,20 +646,10 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             q.wait(stored_ready, hl + 1)
             q.store(_rows_of(out_h, h, B, H), d["ob"].sub(hl * B, 0, B, V))
 
-    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
-
-    def make_inputs(seed: int) -> dict[str, Any]:
-        return _inputs(seed, B * H, (B, C, cap), H, R, P, N, V)
-
-    def reference(inputs):
-        return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                            batch=B, context=C, capacity=cap, **dims)}
-
     cache_bytes = B * span * W * 2  # what the kernel reads: the context's 32-token blocks
-    return KernelBuild(
-        program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE,
-        notes={"kv_tile": T, "kv_buffers": nbuf, "attention_cores": n_att, "head_cores": n_head,
+    return _decode_build(
+        kb, (B, C, cap), (H, R, P, N, V), scale,
+        {"kv_tile": T, "kv_buffers": nbuf, "attention_cores": n_att, "head_cores": n_head,
                "softmax_scale": scale, "cache_capacity": cap, "padded_tokens": span - C,
                "latent_cache_bytes": cache_bytes, "weight_bytes": H * (N + V) * R * 2,
                "q_out_bytes": B * H * (N + P + V) * 2},
@@ -832,20 +869,10 @@ def _build_mla_decode_small(shape: dict[str, Any], spec: ChipSpec) -> KernelBuil
         _emit_gemm_jobs(kb, c, p3[c::cores], gemm_bufs(c, a_bytes, b_bytes, o_bytes), (olat_done, n2),
                         out_done, "p3")
 
-    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
-
-    def make_inputs(seed: int) -> dict[str, Any]:
-        return _inputs(seed, B * H, (B, C, cap), H, R, P, N, V)
-
-    def reference(inputs):
-        return {"out": mla_decode_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                            batch=B, context=C, capacity=cap, **dims)}
-
     groups = -(-H // hg)
-    return KernelBuild(
-        program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"out": ("bf16", (B * H, V))}, tolerance=_TOLERANCE,
-        notes={"path": "small-scratchpad", "kv_tile": T, "kv_buffers": nbuf, "head_group": hg,
+    return _decode_build(
+        kb, (B, C, cap), (H, R, P, N, V), scale,
+        {"path": "small-scratchpad", "kv_tile": T, "kv_buffers": nbuf, "head_group": hg,
                "head_groups": groups, "attention_items": len(items), "gemm_rows": bm,
                "softmax_scale": scale, "cache_capacity": cap, "padded_tokens": span - C,
                "latent_cache_bytes": groups * B * span * W * 2, "weight_bytes": H * (N + V) * R * 2,
@@ -1079,21 +1106,9 @@ def build_mla_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                          os_.sub(t0, 0, n, V))
             sq.signal(sem["out_stored"])
 
-    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
-
-    def make_inputs(seed: int) -> dict[str, Any]:
-        ins = _inputs(seed, B * S * H, (B, C, cap), H, R, P, N, V)
-        ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
-        return ins
-
-    def reference(inputs):
-        return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                             batch=B, seq=S, prior=prior, capacity=cap, **dims)}
-
-    return KernelBuild(
-        program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
-        notes={"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
+    return _prefill_build(
+        kb, (B, S, T, C, cap, prior), (H, R, P, N, V), scale,
+        {"tile": T, "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
                "cache_capacity": cap, "key_tiles": len(ktiles), "form": "naive (decompressed K/V)"},
     )
 
@@ -1203,21 +1218,9 @@ def _build_mla_prefill_small(shape: dict[str, Any], spec: ChipSpec) -> KernelBui
                                  (q_h, kv_h, kn_h, v_h, mask_h, out_h), (S, H, T, nbuf, C, cap, n_prior),
                                  (R, P, N, V), ktiles, starts)
 
-    dims = {"heads": H, "rank": R, "rope": P, "nope": N, "v": V, "scale": scale}
-
-    def make_inputs(seed: int) -> dict[str, Any]:
-        ins = _inputs(seed, B * S * H, (B, C, cap), H, R, P, N, V)
-        ins["causal_mask"] = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf).astype(np.float32)
-        return ins
-
-    def reference(inputs):
-        return {"out": mla_prefill_reference(inputs["q"], inputs["kv_cache"], inputs["w_kv_b"],
-                                             batch=B, seq=S, prior=prior, capacity=cap, **dims)}
-
-    return KernelBuild(
-        program=kb.build(), make_inputs=make_inputs, reference=reference,
-        outputs={"out": ("bf16", (B * S * H, V))}, tolerance=_TOLERANCE,
-        notes={"path": "small-scratchpad", "tile": T, "kv_buffers": nbuf, "gemm_rows": tm, "gemm_panel": kp,
+    return _prefill_build(
+        kb, (B, S, T, C, cap, prior), (H, R, P, N, V), scale,
+        {"path": "small-scratchpad", "tile": T, "kv_buffers": nbuf, "gemm_rows": tm, "gemm_panel": kp,
                "cores": cores, "items": len(items), "softmax_scale": scale, "prior": prior,
                "cache_capacity": cap, "key_tiles": len(ktiles), "scratch_bytes": 2 * B * H * C * (N + V) * 2,
                "form": "naive (decompressed K/V through HBM)"},

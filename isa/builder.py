@@ -34,7 +34,7 @@ from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArg
 from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
 from .table import DTYPES, TABLE, InstrSpec, Space
 
-__all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Semaphore"]
+__all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore"]
 
 _HBM_ALIGN = 4096  # allocations start on a page so that tiles map to channels predictably
 _SRAM_ALIGN = 64
@@ -191,6 +191,83 @@ class CoreHandle:
         self.vpu = EngineHandle(builder, Engine(core, "vpu"))
 
 
+class Region:
+    """A named part of a program being built; see :meth:`KernelBuilder.region`.
+
+    Attributes:
+        name: the region's name (the prefix of its allocations and semaphores).
+        arena: where its scratchpad/accumulator memory comes from (None: the builder's).
+        fences: (semaphore id, value) each of its engines waits for before its first instruction.
+        engines: every engine that issued an instruction in the region, in first-use order.
+        ranges: [start, end) instruction indices of each time the region was entered.
+        done: after :meth:`close`, (semaphore, count): the count the semaphore reaches once
+            every engine of the region has finished everything it issued in the region.
+    """
+
+    def __init__(self, kb: KernelBuilder, name: str, arena: Any, fences: tuple[tuple[int, int], ...]) -> None:
+        self.kb, self.name, self.arena = kb, name, arena
+        self.fences: list[tuple[int, int]] = []
+        self.engines: dict[Engine, None] = {}
+        self.ranges: list[tuple[int, int]] = []
+        self.done: tuple[Semaphore, int] | None = None
+        self._start = -1
+        self._outer: Region | None = None
+        for f in fences:
+            if f not in self.fences:
+                self.fences.append(f)
+
+    def __enter__(self) -> Region:
+        if self.done is not None:
+            raise InvalidArgumentError(f"region {self.name!r} is closed")
+        if self.kb._region is not None:
+            raise InvalidArgumentError(f"region {self.name!r} entered inside region {self.kb._region.name!r}")
+        self.kb._region = self
+        self._start = len(self.kb._instructions)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kb._region = None
+        end = len(self.kb._instructions)
+        if end > self._start:
+            self.ranges.append((self._start, end))
+
+    def _first_use(self, engine: Engine) -> None:
+        """Before the engine's first instruction in the region: wait for every fence."""
+        self.engines[engine] = None
+        wait = _LAYOUTS["sem.wait"]
+        for sem, value in self.fences:
+            wait.issue(self.kb, engine, (sem, value), "")
+
+    def add_fences(self, fences: Any) -> None:
+        """Add fence conditions; engines already in the region wait for the new ones now (their
+        later instructions are the ones that may touch what the fences guard)."""
+        new = [f for f in fences if f not in self.fences]
+        if not new:
+            return
+        self.fences.extend(new)
+        if self.engines:
+            if self.kb._region is not self:
+                raise InvalidArgumentError(f"fences added to region {self.name!r} while it is not entered")
+            wait = _LAYOUTS["sem.wait"]
+            for engine in self.engines:
+                for sem, value in new:
+                    wait.issue(self.kb, engine, (sem, value), "")
+
+    def close(self) -> tuple[Semaphore, int]:
+        """End the region: every engine of it signals one semaphore, whose count reaching the
+        number of engines means the region is done (a DMA queue's signal lands when its
+        transfers have). Returns (semaphore, count); (semaphore, 0) for an empty region."""
+        if self.done is not None:
+            return self.done
+        with self:
+            sem = self.kb.semaphore("done")
+            signal = _LAYOUTS["sem.signal"]
+            for engine in list(self.engines):
+                signal.issue(self.kb, engine, (sem.id, 1), "")
+        self.done = (sem, len(self.engines))
+        return self.done
+
+
 class KernelBuilder:
     """Records a kernel as a Program.
 
@@ -211,10 +288,41 @@ class KernelBuilder:
         self._sems: list[Semaphore] = []
         self._cores: dict[int, CoreHandle] = {}
         self._tensors: dict[str, tuple[str, tuple[int, int]]] = {}
+        self._region: Region | None = None  # the region being emitted into, if any
+        self._regions: list[Region] = []
         self.link = EngineHandle(self, Engine(-1, "link"))
 
+    # --- regions --------------------------------------------------------------------------
+    def region(self, name: str, *, arena: Any = None, fences: tuple[tuple[int, int], ...] = ()) -> Region:
+        """A named region of the program (one operator of a fused program); enter it with ``with``.
+
+        Inside it, allocation and semaphore names get the prefix ``name/`` (so a kernel's code
+        runs unchanged in a region of a larger program), scratchpad and accumulator offsets come
+        from ``arena`` when one is given (memory reused from earlier regions), and every engine
+        that issues an instruction first waits for each ``fences`` condition (semaphore id,
+        value): what makes reused memory safe to write. A region may be entered several times
+        (a prefetch part, then the rest); :meth:`Region.close` ends it.
+
+        Args:
+            name: unique in the program, no ``/``.
+            arena: an object with ``alloc(space, core, nbytes, align, region, keep) -> (offset,
+                fences)`` (``kernels.compose.Arena``), or None for the builder's own bump
+                allocation.
+            fences: (semaphore id, value) every engine of the region waits for first.
+        """
+        if not name or "/" in name:
+            raise InvalidArgumentError(f"region name {name!r} must be non-empty and contain no '/'")
+        if any(r.name == name for r in self._regions):
+            raise InvalidArgumentError(f"region {name!r} already exists in this program")
+        reg = Region(self, name, arena, fences)
+        self._regions.append(reg)
+        return reg
+
     # --- memory ---------------------------------------------------------------------------
-    def _alloc(self, space: Space, core: int, name: str, nbytes: int, align: int) -> int:
+    def _alloc(self, space: Space, core: int, name: str, nbytes: int, align: int, keep: bool = False) -> int:
+        reg = self._region
+        if reg is not None:
+            name = f"{reg.name}/{name}"
         key = (space, core if space is not Space.HBM else 0, name)
         if key in self._alloc_names:
             raise InvalidArgumentError(f"allocation {name!r} already exists in {space.value}")
@@ -224,6 +332,12 @@ class KernelBuilder:
         capacity = {Space.HBM: self.chip.hbm.capacity_bytes,
                     Space.SRAM: self.chip.sram.scratchpad_bytes,
                     Space.ACC: self.chip.sram.accumulator_bytes}[space]
+        if reg is not None and reg.arena is not None and space is not Space.HBM:
+            start, fences = reg.arena.alloc(space, core, nbytes, align, reg, keep)
+            reg.add_fences(fences)
+            self._allocs.append(Allocation(name, space, core, start, nbytes))
+            self._alloc_names.add(key)
+            return start
         start = -(-self._next.get((space, core), 0) // align) * align
         if start + nbytes > capacity:
             where = "HBM" if space is Space.HBM else f"{space.value} of core {core}"
@@ -237,14 +351,14 @@ class KernelBuilder:
         return start
 
     def _tile(self, space: Space, core: int, name: str, shape: tuple[int, int], dtype: str,
-              align: int) -> Tile:
+              align: int, keep: bool = False) -> Tile:
         if dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
         rows, cols = shape
         nbytes = rows * DTYPES[dtype].row_bytes(cols)
-        off = self._alloc(space, core, name, nbytes, align)
+        off = self._alloc(space, core, name, nbytes, align, keep)
         if space is Space.HBM:
-            self._tensors[name] = (dtype, (rows, cols))
+            self._tensors[self._scoped(name)] = (dtype, (rows, cols))
         return Tile(space, core if space is not Space.HBM else 0, off, dtype, rows, cols)
 
     def hbm(self, name: str, shape: tuple[int, int], dtype: str) -> Tile:
@@ -255,34 +369,41 @@ class KernelBuilder:
         """Allocate an MX tensor in HBM: ``name`` (codes) and ``name.scales``."""
         return self._mx(Space.HBM, 0, name, shape, fmt, axis, _HBM_ALIGN)
 
-    def sram(self, core: int, name: str, shape: tuple[int, int], dtype: str) -> Tile:
-        """Allocate a named tile in ``core``'s scratchpad."""
-        return self._tile(Space.SRAM, core, name, shape, dtype, _SRAM_ALIGN)
+    def _scoped(self, name: str) -> str:
+        """``name`` as recorded: prefixed by the current region's name, if any."""
+        return name if self._region is None else f"{self._region.name}/{name}"
+
+    def sram(self, core: int, name: str, shape: tuple[int, int], dtype: str, *, keep: bool = False) -> Tile:
+        """Allocate a named tile in ``core``'s scratchpad.
+
+        ``keep``: inside a region with an arena, the tile outlives the region (an output that
+        later regions read; the arena frees it when its readers are done)."""
+        return self._tile(Space.SRAM, core, name, shape, dtype, _SRAM_ALIGN, keep)
 
     def sram_mx(self, core: int, name: str, shape: tuple[int, int], fmt: str = "fp4",
-                axis: int = 1) -> MXTensor:
-        """Allocate an MX tile (codes + scales) in ``core``'s scratchpad."""
-        return self._mx(Space.SRAM, core, name, shape, fmt, axis, _SRAM_ALIGN)
+                axis: int = 1, *, keep: bool = False) -> MXTensor:
+        """Allocate an MX tile (codes + scales) in ``core``'s scratchpad (``keep``: see ``sram``)."""
+        return self._mx(Space.SRAM, core, name, shape, fmt, axis, _SRAM_ALIGN, keep)
 
     def acc(self, core: int, name: str, shape: tuple[int, int]) -> Tile:
         """Allocate FP32 accumulators in ``core``'s accumulator memory."""
         return self._tile(Space.ACC, core, name, shape, "f32", _SRAM_ALIGN)
 
-    def _mx(self, space, core, name, shape, fmt, axis, align) -> MXTensor:
+    def _mx(self, space, core, name, shape, fmt, axis, align, keep: bool = False) -> MXTensor:
         if DTYPES.get(fmt) is None or DTYPES[fmt].mx_fmt is None:
             raise InvalidArgumentError(f"fmt={fmt!r} is not an MX element dtype (fp4, fp8e4, fp8e5)")
         rows, cols = shape
         if axis not in (0, 1) or shape[axis] % 32:
             raise InvalidArgumentError(f"axis={axis}: MX tensors of shape {shape} need that axis "
                                        "to be 0 or 1 and a multiple of 32")
-        codes = self._tile(space, core, name, shape, fmt, align)
+        codes = self._tile(space, core, name, shape, fmt, align, keep)
         sshape = (rows, cols // 32) if axis == 1 else (rows // 32, cols)
-        scales = self._tile(space, core, f"{name}.scales", sshape, "e8m0", align)
+        scales = self._tile(space, core, f"{name}.scales", sshape, "e8m0", align, keep)
         return MXTensor(codes, scales, axis)
 
     def semaphore(self, name: str) -> Semaphore:
-        """A new semaphore (counter starting at 0)."""
-        sem = Semaphore(len(self._sems), name)
+        """A new semaphore (counter starting at 0); named ``region/name`` inside a region."""
+        sem = Semaphore(len(self._sems), self._scoped(name))
         self._sems.append(sem)
         return sem
 
@@ -319,7 +440,8 @@ class KernelBuilder:
             allocations=tuple(self._allocs),
             preset=self.preset,
             semaphores=tuple((s.id, s.name) for s in self._sems),
-            meta=(("tensors", tuple(self._tensors.items())),),
+            meta=(("tensors", tuple(self._tensors.items())),
+                  ("regions", tuple((r.name, tuple(r.ranges)) for r in self._regions))),
         )
 
 
@@ -387,6 +509,9 @@ def _issue_source(layout: _Layout) -> str:
     """Python source of the row's issue function: ``_operand`` unrolled over the operands, with
     the common type of each operand tested first, then the instruction and its legality check."""
     lines = ["def issue(kb, engine, values, source):",
+             "    reg = kb._region",
+             "    if reg is not None and engine not in reg.engines:",
+             "        reg._first_use(engine)",
              f"    {', '.join(f'v{i}' for i in range(len(layout.names)))}, = values",
              "    base = engine.core"]
     if layout.relative_cores:

@@ -97,9 +97,12 @@ from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
 from jalapeno_emu.isa.table import DTYPES
 
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
+from .planning import Budget, DoesNotFit
 from .registry import register
 
-__all__ = ["EMBEDDING", "GEMM", "LOGITS", "build_gemm", "gemm_reference", "inorder_block_matmul"]
+__all__ = ["EMBEDDING", "GEMM", "LOGITS", "GemmPlan", "build_gemm", "emit_gemm", "gemm_reference",
+           "inorder_block_matmul", "plan_gemm"]
 
 WEIGHT_FMTS = ("fp4", "fp8e4", "bf16")
 ACT_FMTS = ("bf16", "fp8e4", "fp4")
@@ -107,7 +110,6 @@ COL_GRANULE = 64  # output columns per slice step: an fp4 row piece of 32 B is o
 MAX_ROWS = 512  # rows of an output block: 4 matrix-unit tiles
 MAX_COLS = 2048  # columns of an output block (SRAM: W chunk rows x Nb)
 MAX_CHUNK = 512  # K elements per streamed chunk: short start-up, few descriptors
-SRAM_SHARE = 0.95
 EPILOGUE_BYTES = 256 * 1024  # FP32 scratch for the bias add, processed in row slabs
 BROADCAST_MIN_BYTES = 256 * 1024  # x panels this big (or 1/16 of SRAM) are loaded once and relayed
 RELAY_GROUP = 4  # cores that share one HBM read of an x panel
@@ -230,10 +232,12 @@ def _rotate(run: list[tuple[int, int, int, int]], mb: int) -> list[tuple[int, in
 
 
 def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
-              spec: ChipSpec) -> GemmPlan:
-    """Choose block sizes for ``spec`` (see the module docstring); InvalidArgumentError if none fit."""
-    cores = spec.core.count
-    acc_cap, sram_cap = spec.sram.accumulator_bytes, int(spec.sram.scratchpad_bytes * SRAM_SHARE)
+              spec: ChipSpec, budget: Budget | None = None) -> GemmPlan:
+    """Choose block sizes for ``spec`` within ``budget`` (default: the stand-alone one; see the
+    module docstring); DoesNotFit if none fit."""
+    budget = budget or Budget.of(spec)
+    cores = budget.cores
+    acc_cap, sram_cap = budget.acc_bytes, budget.sram_bytes
     g = COL_GRANULE
     mb = min(m, MAX_ROWS, acc_cap // (4 * g))
     if mb < 1:
@@ -287,7 +291,7 @@ def plan_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
             kc, slots = best
             break
         if nb_max <= g:
-            raise InvalidArgumentError(
+            raise DoesNotFit(
                 f"shape (m={m}, k={k}) does not fit: one {mb} x {g} output block with two 32-deep "
                 f"chunks needs more than {spec.name}'s {spec.sram.scratchpad_bytes:,} B of scratchpad")
         nb_max = max(g, nb_max // 2 // g * g)
@@ -315,6 +319,335 @@ def _x_relay(m_blocks: int, most: int, x_resident: bool, mb: int, k: int, nb: in
 
 
 # --- gemm -----------------------------------------------------------------------------------
+def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None = None, *,
+              y_out: Out | None = None, plan: GemmPlan | None = None,
+              key_names: dict[str, str] | None = None) -> Emitter:
+    """Emit y = x @ w (+ bias) (see the module docstring).
+
+    Args:
+        ctx: the emit context (its budget's cores and scratchpad bound the plan).
+        x: [m, k] activations: BF16, or MX blocked along K (axis 1); in HBM or on chip. Pieces on
+            a core's own scratchpad that hold its whole row block are read in place (a decode
+            step's replicated norm output); anything else is fetched.
+        w: [k, n] weights in HBM: MX blocked along K (axis 0) or BF16.
+        bias: [1, n] BF16 in HBM, or None.
+        y_out: where y goes: ``Out.to(ref)`` stores each output block into the HBM tensor;
+            ``Out.onchip()`` (default) keeps each block in its core's scratchpad.
+        plan: a plan from :func:`plan_gemm` (default: planned here).
+        key_names: shape-key names for error messages (logits).
+
+    The prefetch part loads what is ready at the start: W's scales, the bias, the weight chunks
+    that fit the slots without waiting, and x when it is an HBM tensor ready at start (its decode
+    relay included). Yields/returns ``{"y": ...}``.
+    """
+    kb, spec = ctx.kb, ctx.spec
+    (m, k), n = x.shape, w.shape[1]
+    weight_fmt, act_fmt = w.dtype, x.dtype
+    names = {"m": "m", "n": "n", "k": "k"} | (key_names or {})
+    _check_gemm_shape(m, n, k, weight_fmt, act_fmt, names)
+    if w.shape[0] != k or not w.in_hbm:
+        raise InvalidArgumentError(f"gemm: w must be an HBM tensor [{k}, n], got {w.name} {list(w.shape)}")
+    plan = plan or plan_gemm(m, n, k, weight_fmt, act_fmt, bias is not None, spec, ctx.budget)
+    y_out = y_out or Out.onchip()
+    x_mx, w_mx = act_fmt != "bf16", weight_fmt != "bf16"
+    x_static = x.in_hbm and not x.waits()
+    mb, nb, kc = plan.mb, plan.nb, plan.kc
+
+    def loads(q, dst, m0, k0) -> None:
+        fetch(q, dst, x, m0, k0, waited=waited)
+
+    def w_view(k0, n0, rows, cols):
+        return w.hbm_view(k0, n0, rows, cols)
+
+    waited: dict[Any, set] = {}
+    # Prologue for every core first, so that x, W's scales and the bias are issued (and queue
+    # on their pseudo-channels) ahead of every core's weight stream.
+    per_core: dict[int, dict[str, Any]] = {}
+    for c, items in enumerate(plan.items):
+        if not items:
+            continue
+        a_shape = (mb, k) if plan.x_resident else (mb, kc)
+        row_blocks = {it[0] for it in items}
+        local = None
+        if plan.x_resident and len(row_blocks) == 1:
+            m0, rows = items[0][0], items[0][1]
+            local = x.local(c, m0, 0, rows, k)
+        per_core[c] = {
+            "core": kb.core(c),
+            "local_x": local,  # (tile, ready): the row block already in this core's scratchpad
+            "a_buf": [] if local is not None else
+                     [kb.sram_mx(c, f"a{s}", a_shape, act_fmt, axis=1) if x_mx
+                      else kb.sram(c, f"a{s}", a_shape, "bf16")
+                      for s in range(1 if plan.x_resident else plan.slots)],
+            "x_in_prologue": plan.x_resident and len(row_blocks) == 1,
+            "x_parts": [],  # (k0, width, semaphore, value): x panel pieces the matmuls wait for
+            "loaded": [kb.semaphore(f"c{c}.loaded{s}") for s in range(plan.slots)],
+        }
+        if local is not None:
+            per_core[c]["a_buf"] = [local[0]]
+
+    def emit_x_prologue() -> None:
+        """x panels that stay for the whole kernel (see below); for a static x in the prefetch
+        part, else at the start of the rest."""
+        groups: dict[int, list[int]] = {}
+        for c, r in per_core.items():
+            if r["x_in_prologue"] and r["local_x"] is None:
+                groups.setdefault(plan.items[c][0][0], []).append(c)
+        x_from: dict[int, tuple[int, list[Any]]] = {}
+        if _bytes(act_fmt, mb, k, 1) < min(BROADCAST_MIN_BYTES, spec.sram.scratchpad_bytes // 16):
+            cores_x = [c for members in groups.values() for c in members]
+            relay = plan.x_relay if x_static else 1
+            for i in range(0, len(cores_x) if relay > 1 else 0, relay):
+                lead, *peers = cores_x[i:i + relay]
+                r = per_core[lead]
+                m0, rows = plan.items[lead][0][0], plan.items[lead][0][1]
+                own, src = r["a_buf"][0].sub(0, 0, rows, k), x.hbm_view(m0, 0, rows, k)
+                pairs = [(own.codes, src.codes), (own.scales, src.scales)] if x_mx else [(own, src)]
+                landed = []
+                for q, (dst, part) in enumerate(pairs):
+                    dq = r["core"].dma[q % len(r["core"].dma)]
+                    dq.load(dst, part)
+                    landed.append(kb.semaphore(f"c{lead}.x_landed{q}"))
+                    dq.signal(landed[-1])
+                    r["x_parts"].append((0, k, landed[-1], 1))
+                x_from.update((p, (lead, landed)) for p in peers)
+            groups = {c: [c] for c in cores_x if c not in x_from and not per_core[c]["x_parts"]}
+        else:  # relay within groups of at most RELAY_GROUP cores: few copies per part, short chains
+            groups = {members[i]: members[i:i + RELAY_GROUP] for members in groups.values()
+                      for i in range(0, len(members), RELAY_GROUP)}
+        for members in groups.values():
+            m0, rows = plan.items[members[0]][0][0], plan.items[members[0]][0][1]
+            if len(members) == 1:
+                r = per_core[members[0]]
+                if x_static:
+                    loads(r["core"].dma[0], r["a_buf"][0].sub(0, 0, rows, k), m0, 0)
+                    r["x_parts"].append((0, k, r["loaded"][0], 1))
+                else:  # x from other operators: spread over the queues, with its own semaphore
+                    got = kb.semaphore(f"c{members[0]}.x_in")
+                    used = fetch(r["core"].dma, r["a_buf"][0].sub(0, 0, rows, k), x, m0, 0, waited=waited)
+                    for q in used:
+                        q.signal(got)
+                    r["x_parts"].append((0, k, got, len(used)))
+                continue
+            first = min(kc, k)
+            per = -(-((k - first) // 32) // len(members)) * 32 or 32
+            parts = [(0, first)] + [(pk0, min(per, k - pk0)) for pk0 in range(first, k, per)]
+            for i, (pk0, pw) in enumerate(parts):
+                owner_id = members[i % len(members)]
+                owner = per_core[owner_id]
+                q = owner["core"].dma[-1]
+                own = owner["a_buf"][0].sub(0, pk0, rows, pw)
+                landed = kb.semaphore(f"c{owner_id}.x{i}.landed")
+                sent = kb.semaphore(f"c{owner_id}.x{i}.sent")
+                loads(q, own, m0, pk0)
+                q.signal(landed)
+                q.wait(landed, 1)
+                for peer in members:
+                    if peer != owner_id:
+                        dst = per_core[peer]["a_buf"][0].sub(0, pk0, rows, pw)
+                        if x_mx:
+                            q.copy(dst.codes, own.codes)
+                            q.copy(dst.scales, own.scales)
+                        else:
+                            q.copy(dst, own)
+                q.signal(sent)
+                for c in members:
+                    per_core[c]["x_parts"].append((pk0, pw, landed if c == owner_id else sent, 1))
+        return x_from
+
+    # x panels that stay for the whole kernel. Large ones (prefill) are shared by the G cores
+    # of a row block: each part is loaded from HBM by one member and relayed to the others over
+    # the on-die network, so HBM serves each panel once instead of G times. All row blocks'
+    # first K columns sit on the same few pseudo-channels (the row stride is k/2 bytes), so
+    # 64 cores each fetching them would delay the first matmul by ~10 us on jalapeno-v1;
+    # part 0 is one chunk wide so that the matmuls start early. Small panels (decode: a few KB)
+    # are loaded whole by every core, on queue 0 with the first weight chunk (whose signal
+    # covers both). Decode relay (plan.x_relay > 1, x ready at start): the leader of each group
+    # reads x, its codes and scales as the first descriptors of two queues (so they are not
+    # queued behind every core's first wave of weights); the others copy it from the leader's
+    # SRAM (below, after W's scales).
+    x_from = emit_x_prologue() if x_static else {}
+
+    for c, r in per_core.items():
+        items, core = plan.items[c], r["core"]
+        bq = core.dma[-1]
+        if plan.w_scales_resident:  # W's scales for the whole K range
+            r["ws_sem"] = kb.semaphore(f"c{c}.w_scales")
+            n0, cols = items[0][2], items[0][3]
+            r["w_scales"] = kb.sram(c, "w_scales", (k // 32, nb), "e8m0")
+            bq.load(r["w_scales"].sub(0, 0, k // 32, cols), w.base_scales.sub(0, n0, k // 32, cols))
+            bq.signal(r["ws_sem"])
+        if bias is not None:  # every bias slice this core needs
+            r["tmp"] = kb.sram(c, "tmp", (plan.slab, nb), "f32")
+            r["b_bufs"] = [kb.sram(c, f"bias{t}", (1, nb), "bf16") for t in range(len(items))]
+            r["bias_sem"] = kb.semaphore(f"c{c}.bias")
+            for t, (_, _, n0, cols) in enumerate(items):
+                bq.load(r["b_bufs"][t].sub(0, 0, 1, cols), bias.hbm_view(0, n0, 1, cols))
+            bq.signal(r["bias_sem"])
+        if c in x_from:  # copy x from the group leader's SRAM once it has landed there
+            lead, landed = x_from[c]
+            got = kb.semaphore(f"c{c}.x_copied")
+            for sem in landed:
+                bq.wait(sem, 1)
+            m_rows = plan.items[c][0][1]
+            src, dst = per_core[lead]["a_buf"][0].sub(0, 0, m_rows, k), r["a_buf"][0].sub(0, 0, m_rows, k)
+            for d, s_ in ((dst.scales, src.scales), (dst.codes, src.codes)) if x_mx else ((dst, src),):
+                bq.copy(d, s_)
+            bq.signal(got)
+            r["x_parts"].append((0, k, got, 1))
+
+    def emit_panel(r: dict[str, Any], t: int, panel_sems: list[Any], count: int) -> list[tuple]:
+        """Load item t's x row block (whole K, split over the load queues) when the core's row
+        block changes; returns the pieces its matmuls wait for."""
+        core, items = r["core"], plan.items[r["c"]]
+        m0, rows = items[t][0], items[t][1]
+        per = -(-(k // 32) // plan.load_queues) * 32
+        out = []
+        for p, pk0 in enumerate(range(0, k, per)):
+            q, pw = core.dma[p], min(per, k - pk0)
+            if t:  # every matmul on the previous panel is done
+                q.wait(r["acc_done"], t)
+            loads(q, r["a_buf"][0].sub(0, pk0, rows, pw), m0, pk0)
+            q.signal(panel_sems[p])
+            out.append((pk0, pw, panel_sems[p], count))
+        return out
+
+    # Buffers, and the weight chunks each slot takes first (no wait: the slots are fresh).
+    for c, r in per_core.items():
+        items = plan.items[c]
+        r["c"] = c
+        r["acc_done"] = kb.semaphore(f"c{c}.acc_done")
+        r["panel_sems"] = [kb.semaphore(f"c{c}.panel{p}") for p in range(plan.load_queues)]
+        r["panel0"] = []
+        if x_static and plan.x_resident and not r["x_in_prologue"]:
+            r["panel0"] = emit_panel(r, 0, r["panel_sems"], 1)  # what the first matmul needs first
+        r["b_buf"] = [kb.sram_mx(c, f"b{s}", (kc, nb), weight_fmt, axis=0)
+                      if w_mx and not plan.w_scales_resident
+                      else kb.sram(c, f"b{s}", (kc, nb), weight_fmt) for s in range(plan.slots)]
+        r["accs"] = [kb.acc(c, f"acc{i}", (mb, nb)) for i in range(plan.accs)]
+        r["out"] = None if not y_out.in_hbm else kb.sram(c, "out", (mb, nb), "bf16")
+        r["outs"] = [] if y_out.in_hbm else [kb.sram(c, f"y{t}", (rows, cols), "bf16", keep=True)
+                                             for t, (_, rows, _, cols) in enumerate(items)]
+        r["steps"] = [(t, ci, k0, kw) for t, it in enumerate(items)
+                      for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1))]
+        for step, (t, _, k0, kw) in enumerate(r["steps"][:plan.slots]):
+            emit_chunk_load(r, plan, step, plan.items[c][t], k0, kw, w_view, x, loads)
+        r["fin"] = kb.semaphore(f"c{c}.fin")
+        r["stored"] = kb.semaphore(f"c{c}.stored")
+
+    outs = {"y": _gemm_output(y_out, plan, per_core, m, n)}
+    yield outs
+
+    if not x_static:
+        emit_x_prologue()
+    for c, r in per_core.items():
+        items, core = plan.items[c], r["core"]
+        # Slot s loads on queue s % load_queues, so several queues keep chunks in flight.
+        # The last queue stores the results (and streams too when the core has one block).
+        st = core.dma[-1]
+        mxu, vpu = core.mxu, core.vpu
+        if "ws_sem" in r:
+            mxu.wait(r["ws_sem"], 1)
+        if "bias_sem" in r:
+            vpu.wait(r["bias_sem"], 1)
+        if r["local_x"] is not None and r["local_x"][1] is not None:
+            mxu.wait(*r["local_x"][1])  # the row block in this core's scratchpad is ready
+        a_buf, tmp, b_bufs, b_buf = r["a_buf"], r.get("tmp"), r.get("b_bufs"), r["b_buf"]
+        accs, out = r["accs"], r["out"]
+        loaded = r["loaded"]
+        freed = [kb.semaphore(f"c{c}.freed{s}") for s in range(plan.slots)]
+        acc_done, acc_free = r["acc_done"], kb.semaphore(f"c{c}.acc_free")
+        stored = r["stored"]
+        step = 0
+        panel_loads = 1 if r["panel0"] else 0
+        for t, (m0, rows, n0, cols) in enumerate(items):
+            acc = accs[t % plan.accs].sub(0, 0, rows, cols)
+            # x panel pieces this item's matmuls must wait for: (k0, width, semaphore, value)
+            pieces: list[tuple[int, int, Any, int]] = list(r["x_parts"]) + r["panel0"] if t == 0 else []
+            if plan.x_resident and not r["x_in_prologue"] and (t == 0 or items[t - 1][0] != m0) \
+                    and not (t == 0 and r["panel0"]):
+                panel_loads += 1
+                pieces += emit_panel(r, t, r["panel_sems"], panel_loads)
+            for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1)):
+                s, use = step % plan.slots, step // plan.slots
+                if use:  # the matrix unit must be done with this slot's previous chunk
+                    core.dma[s % plan.load_queues].wait(freed[s], use)
+                    emit_chunk_load(r, plan, step, items[t], k0, kw, w_view, x, loads)
+                b_t = b_buf[s].sub(0, 0, kw, cols)
+                if plan.w_scales_resident:
+                    b_t = MXTensor(b_t, r["w_scales"].sub(k0 // 32, 0, kw // 32, cols), axis=0)
+                elif w_mx:
+                    b_t = b_buf[s].sub(0, 0, kw, cols)
+                a_t = a_buf[0].sub(0, k0, rows, kw) if plan.x_resident else a_buf[s].sub(0, 0, rows, kw)
+                for piece in [pc for pc in pieces if pc[0] < k0 + kw and k0 < pc[0] + pc[1]]:
+                    mxu.wait(piece[2], piece[3])  # the x panel piece this chunk reads has landed
+                    pieces.remove(piece)
+                if ci == 0 and t >= plan.accs:  # this accumulator's previous block was read out
+                    mxu.wait(acc_free, t - plan.accs + 1)
+                mxu.wait(loaded[s], use + 1)
+                mxu.matmul_mx(acc, a_t, b_t, mode="overwrite" if ci == 0 else "accumulate")
+                mxu.signal(freed[s])
+                step += 1
+            mxu.signal(acc_done)
+            # Epilogue: accumulators -> BF16 in SRAM (plus bias in FP32) -> HBM (or kept).
+            vpu.wait(acc_done, t + 1)
+            if t and out is not None:  # the previous block's store has left ``out``
+                vpu.wait(stored, t)
+            o = out.sub(0, 0, rows, cols) if out is not None else r["outs"][t]
+            if bias is not None:
+                for r0 in range(0, rows, plan.slab):
+                    nr = min(plan.slab, rows - r0)
+                    vpu.acc_read(tmp.sub(0, 0, nr, cols), acc.sub(r0, 0, nr, cols))
+                    vpu.add(o.sub(r0, 0, nr, cols), tmp.sub(0, 0, nr, cols), b_bufs[t].sub(0, 0, 1, cols))
+            else:
+                vpu.acc_read(o, acc)
+            vpu.signal(acc_free)
+            if out is not None:
+                st.wait(acc_free, t + 1)
+                st.store(y_out.ref.hbm_view(m0, n0, rows, cols), o)
+                st.signal(stored)
+            else:
+                vpu.signal(r["fin"])
+    return outs
+
+
+def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[int, int, int, int],
+                    k0: int, kw: int, w_view: Any, x: TensorRef, loads: Any) -> None:
+    """Load weight chunk ``step`` (K rows k0..k0+kw of the item's columns) into its slot, with x's
+    chunk when x is streamed, and signal the slot's semaphore."""
+    s = step % plan.slots
+    core = r["core"]
+    ld = core.dma[s % plan.load_queues]
+    m0, rows, n0, cols = item
+    b_t = r["b_buf"][s].sub(0, 0, kw, cols)
+    w_src = w_view(k0, n0, kw, cols)
+    if plan.w_scales_resident:
+        ld.load(b_t, w_src.codes)
+    elif hasattr(b_t, "scales"):
+        ld.load(b_t.scales, w_src.scales)
+        ld.load(b_t.codes, w_src.codes)
+    else:
+        ld.load(b_t, w_src)
+    if not plan.x_resident:
+        loads(ld, r["a_buf"][s].sub(0, 0, rows, kw), m0, k0)
+    ld.signal(r["loaded"][s])
+
+
+def _gemm_output(y_out: Out, plan: GemmPlan, per_core: dict[int, dict[str, Any]], m: int,
+                 n: int) -> TensorRef:
+    """The output's ref: blocks kept on their cores (ready when the vector unit has written
+    them), or the HBM tensor with each block ready when its store has landed."""
+    if y_out.in_hbm:
+        ref = y_out.ref
+        for c, r in per_core.items():
+            for t, (m0, rows, n0, cols) in enumerate(plan.items[c]):
+                ref = ref.with_ready(m0, n0, rows, cols, (r["stored"].id, t + 1))
+        return ref
+    pieces = [Piece(m0, n0, rows, cols, r["outs"][t], None, (r["fin"].id, t + 1))
+              for c, r in per_core.items() for t, (m0, rows, n0, cols) in enumerate(plan.items[c])]
+    return TensorRef.onchip("y", (m, n), "bf16", pieces)
+
+
 def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool,
                spec: ChipSpec, *, name: str = "gemm",
                key_names: dict[str, str] | None = None) -> KernelBuild:
@@ -336,206 +669,9 @@ def build_gemm(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool
     w_h = kb.hbm_mx("w", (k, n), weight_fmt, axis=0) if w_mx else kb.hbm("w", (k, n), "bf16")
     b_h = kb.hbm("bias", (1, n), "bf16") if bias else None
     y_h = kb.hbm("y", (m, n), "bf16")
-    mb, nb, kc = plan.mb, plan.nb, plan.kc
-
-    def loads(q, dst, src) -> None:
-        if hasattr(dst, "scales"):
-            q.load(dst.scales, src.scales)
-            q.load(dst.codes, src.codes)
-        else:
-            q.load(dst, src)
-
-    # Prologue for every core first, so that x, W's scales and the bias are issued (and queue
-    # on their pseudo-channels) ahead of every core's weight stream.
-    per_core: dict[int, dict[str, Any]] = {}
-    for c, items in enumerate(plan.items):
-        if not items:
-            continue
-        a_shape = (mb, k) if plan.x_resident else (mb, kc)
-        per_core[c] = {
-            "core": kb.core(c),
-            "a_buf": [kb.sram_mx(c, f"a{s}", a_shape, act_fmt, axis=1) if x_mx
-                      else kb.sram(c, f"a{s}", a_shape, "bf16")
-                      for s in range(1 if plan.x_resident else plan.slots)],
-            "x_in_prologue": plan.x_resident and all(it[0] == items[0][0] for it in items),
-            "x_parts": [],  # (k0, width, semaphore, value): x panel pieces the matmuls wait for
-            "loaded": [kb.semaphore(f"c{c}.loaded{s}") for s in range(plan.slots)],
-        }
-
-    # x panels that stay for the whole kernel. Large ones (prefill) are shared by the G cores
-    # of a row block: each part is loaded from HBM by one member and relayed to the others over
-    # the on-die network, so HBM serves each panel once instead of G times. All row blocks'
-    # first K columns sit on the same few pseudo-channels (the row stride is k/2 bytes), so
-    # 64 cores each fetching them would delay the first matmul by ~10 us on jalapeno-v1;
-    # part 0 is one chunk wide so that the matmuls start early. Small panels (decode: a few KB)
-    # are loaded whole by every core, on queue 0 with the first weight chunk (whose signal
-    # covers both).
-    groups: dict[int, list[int]] = {}
-    for c, r in per_core.items():
-        if r["x_in_prologue"]:
-            groups.setdefault(plan.items[c][0][0], []).append(c)
-    # Decode relay (plan.x_relay > 1): the leader of each group reads x, its codes and scales
-    # as the first descriptors of two queues (so they are not queued behind every core's first
-    # wave of weights); the others copy it from the leader's SRAM (below, after W's scales).
-    x_from: dict[int, tuple[int, list[Any]]] = {}  # peer -> (leader, semaphores of x landing)
-    if _bytes(act_fmt, mb, k, 1) < min(BROADCAST_MIN_BYTES, spec.sram.scratchpad_bytes // 16):
-        cores_x = [c for members in groups.values() for c in members]
-        for i in range(0, len(cores_x) if plan.x_relay > 1 else 0, plan.x_relay):
-            lead, *peers = cores_x[i:i + plan.x_relay]
-            r = per_core[lead]
-            m0, rows = plan.items[lead][0][0], plan.items[lead][0][1]
-            own, src = r["a_buf"][0].sub(0, 0, rows, k), x_h.sub(m0, 0, rows, k)
-            pairs = [(own.codes, src.codes), (own.scales, src.scales)] if x_mx else [(own, src)]
-            landed = []
-            for q, (dst, part) in enumerate(pairs):
-                dq = r["core"].dma[q % len(r["core"].dma)]
-                dq.load(dst, part)
-                landed.append(kb.semaphore(f"c{lead}.x_landed{q}"))
-                dq.signal(landed[-1])
-                r["x_parts"].append((0, k, landed[-1], 1))
-            x_from.update((p, (lead, landed)) for p in peers)
-        groups = {c: [c] for c in cores_x if c not in x_from and not per_core[c]["x_parts"]}
-    else:  # relay within groups of at most RELAY_GROUP cores: few copies per part, short chains
-        groups = {members[i]: members[i:i + RELAY_GROUP] for members in groups.values()
-                  for i in range(0, len(members), RELAY_GROUP)}
-    for members in groups.values():
-        m0, rows = plan.items[members[0]][0][0], plan.items[members[0]][0][1]
-        if len(members) == 1:
-            r = per_core[members[0]]
-            loads(r["core"].dma[0], r["a_buf"][0].sub(0, 0, rows, k), x_h.sub(m0, 0, rows, k))
-            r["x_parts"].append((0, k, r["loaded"][0], 1))
-            continue
-        first = min(kc, k)
-        per = -(-((k - first) // 32) // len(members)) * 32 or 32
-        parts = [(0, first)] + [(pk0, min(per, k - pk0)) for pk0 in range(first, k, per)]
-        for i, (pk0, pw) in enumerate(parts):
-            owner_id = members[i % len(members)]
-            owner = per_core[owner_id]
-            q = owner["core"].dma[-1]
-            own = owner["a_buf"][0].sub(0, pk0, rows, pw)
-            landed, sent = kb.semaphore(f"c{owner_id}.x{i}.landed"), kb.semaphore(f"c{owner_id}.x{i}.sent")
-            loads(q, own, x_h.sub(m0, pk0, rows, pw))
-            q.signal(landed)
-            q.wait(landed, 1)
-            for peer in members:
-                if peer != owner_id:
-                    dst = per_core[peer]["a_buf"][0].sub(0, pk0, rows, pw)
-                    if x_mx:
-                        q.copy(dst.codes, own.codes)
-                        q.copy(dst.scales, own.scales)
-                    else:
-                        q.copy(dst, own)
-            q.signal(sent)
-            for c in members:
-                per_core[c]["x_parts"].append((pk0, pw, landed if c == owner_id else sent, 1))
-
-    for c, r in per_core.items():
-        items, core = plan.items[c], r["core"]
-        bq = core.dma[-1]
-        if plan.w_scales_resident:  # W's scales for the whole K range
-            ws_sem = kb.semaphore(f"c{c}.w_scales")
-            n0, cols = items[0][2], items[0][3]
-            r["w_scales"] = kb.sram(c, "w_scales", (k // 32, nb), "e8m0")
-            bq.load(r["w_scales"].sub(0, 0, k // 32, cols), w_h.scales.sub(0, n0, k // 32, cols))
-            bq.signal(ws_sem)
-            core.mxu.wait(ws_sem, 1)
-        if bias:  # every bias slice this core needs
-            r["tmp"] = kb.sram(c, "tmp", (plan.slab, nb), "f32")
-            r["b_bufs"] = [kb.sram(c, f"bias{t}", (1, nb), "bf16") for t in range(len(items))]
-            bias_sem = kb.semaphore(f"c{c}.bias")
-            for t, (_, _, n0, cols) in enumerate(items):
-                bq.load(r["b_bufs"][t].sub(0, 0, 1, cols), b_h.sub(0, n0, 1, cols))
-            bq.signal(bias_sem)
-            core.vpu.wait(bias_sem, 1)
-        if c in x_from:  # copy x from the group leader's SRAM once it has landed there
-            lead, landed = x_from[c]
-            got = kb.semaphore(f"c{c}.x_copied")
-            for sem in landed:
-                bq.wait(sem, 1)
-            m_rows = plan.items[c][0][1]
-            src, dst = per_core[lead]["a_buf"][0].sub(0, 0, m_rows, k), r["a_buf"][0].sub(0, 0, m_rows, k)
-            for d, s_ in ((dst.scales, src.scales), (dst.codes, src.codes)) if x_mx else ((dst, src),):
-                bq.copy(d, s_)
-            bq.signal(got)
-            r["x_parts"].append((0, k, got, 1))
-
-    for c, r in per_core.items():
-        items, core = plan.items[c], r["core"]
-        # Slot s loads on queue s % load_queues, so several queues keep chunks in flight.
-        # The last queue stores the results (and streams too when the core has one block).
-        st = core.dma[-1]
-        mxu, vpu = core.mxu, core.vpu
-        a_buf, tmp, b_bufs = r["a_buf"], r.get("tmp"), r.get("b_bufs")
-        b_buf = [kb.sram_mx(c, f"b{s}", (kc, nb), weight_fmt, axis=0)
-                 if w_mx and not plan.w_scales_resident
-                 else kb.sram(c, f"b{s}", (kc, nb), weight_fmt) for s in range(plan.slots)]
-        accs = [kb.acc(c, f"acc{i}", (mb, nb)) for i in range(plan.accs)]
-        out = kb.sram(c, "out", (mb, nb), "bf16")
-        loaded = r["loaded"]
-        freed = [kb.semaphore(f"c{c}.freed{s}") for s in range(plan.slots)]
-        acc_done, acc_free = kb.semaphore(f"c{c}.acc_done"), kb.semaphore(f"c{c}.acc_free")
-        stored = kb.semaphore(f"c{c}.stored")
-        step = 0
-        panel_sems = [kb.semaphore(f"c{c}.panel{p}") for p in range(plan.load_queues)]
-        panel_loads = 0
-        for t, (m0, rows, n0, cols) in enumerate(items):
-            acc = accs[t % plan.accs].sub(0, 0, rows, cols)
-            # x panel pieces this item's matmuls must wait for: (k0, width, semaphore, value)
-            pieces: list[tuple[int, int, Any, int]] = list(r["x_parts"]) if t == 0 else []
-            if plan.x_resident and not r["x_in_prologue"] and (t == 0 or items[t - 1][0] != m0):
-                panel_loads += 1
-                per = -(-(k // 32) // plan.load_queues) * 32
-                for p, pk0 in enumerate(range(0, k, per)):
-                    q, pw = core.dma[p], min(per, k - pk0)
-                    if t:  # every matmul on the previous panel is done
-                        q.wait(acc_done, t)
-                    loads(q, a_buf[0].sub(0, pk0, rows, pw), x_h.sub(m0, pk0, rows, pw))
-                    q.signal(panel_sems[p])
-                    pieces.append((pk0, pw, panel_sems[p], panel_loads))
-            for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1)):
-                s, use = step % plan.slots, step // plan.slots
-                ld = core.dma[s % plan.load_queues]
-                if use:  # the matrix unit must be done with this slot's previous chunk
-                    ld.wait(freed[s], use)
-                b_t = b_buf[s].sub(0, 0, kw, cols)
-                w_src = w_h.sub(k0, n0, kw, cols)
-                if plan.w_scales_resident:
-                    ld.load(b_t, w_src.codes)
-                    b_t = MXTensor(b_t, r["w_scales"].sub(k0 // 32, 0, kw // 32, cols), axis=0)
-                else:
-                    loads(ld, b_t, w_src)
-                if plan.x_resident:
-                    a_t = a_buf[0].sub(0, k0, rows, kw)
-                else:
-                    a_t = a_buf[s].sub(0, 0, rows, kw)
-                    loads(ld, a_t, x_h.sub(m0, k0, rows, kw))
-                ld.signal(loaded[s])
-                for piece in [pc for pc in pieces if pc[0] < k0 + kw and k0 < pc[0] + pc[1]]:
-                    mxu.wait(piece[2], piece[3])  # the x panel piece this chunk reads has landed
-                    pieces.remove(piece)
-                if ci == 0 and t >= plan.accs:  # this accumulator's previous block was read out
-                    mxu.wait(acc_free, t - plan.accs + 1)
-                mxu.wait(loaded[s], use + 1)
-                mxu.matmul_mx(acc, a_t, b_t, mode="overwrite" if ci == 0 else "accumulate")
-                mxu.signal(freed[s])
-                step += 1
-            mxu.signal(acc_done)
-            # Epilogue: accumulators -> BF16 in SRAM (plus bias in FP32) -> HBM.
-            vpu.wait(acc_done, t + 1)
-            if t:  # the previous block's store has left ``out``
-                vpu.wait(stored, t)
-            o = out.sub(0, 0, rows, cols)
-            if bias:
-                for r0 in range(0, rows, plan.slab):
-                    nr = min(plan.slab, rows - r0)
-                    vpu.acc_read(tmp.sub(0, 0, nr, cols), acc.sub(r0, 0, nr, cols))
-                    vpu.add(o.sub(r0, 0, nr, cols), tmp.sub(0, 0, nr, cols), b_bufs[t].sub(0, 0, 1, cols))
-            else:
-                vpu.acc_read(o, acc)
-            vpu.signal(acc_free)
-            st.wait(acc_free, t + 1)
-            st.store(y_h.sub(m0, n0, rows, cols), o)
-            st.signal(stored)
+    run_emitter(emit_gemm(EmitCtx.standalone(kb), TensorRef.hbm("x", x_h), TensorRef.hbm("w", w_h),
+                          TensorRef.hbm("bias", b_h) if bias else None,
+                          y_out=Out.to(TensorRef.hbm("y", y_h)), plan=plan, key_names=key_names))
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -627,7 +763,7 @@ def build_embedding(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         if shape[key] < 1:
             raise InvalidArgumentError(f"shape key {key}={shape[key]} must be >= 1")
     queues = spec.dma.queues_per_core
-    budget = int(spec.sram.scratchpad_bytes * SRAM_SHARE) - 4 * t
+    budget = Budget.of(spec).sram_bytes - 4 * t
     rows_fit = budget // (2 * queues * h * 2)  # two buffers per queue
     if rows_fit < 1:
         raise InvalidArgumentError(f"shape key hidden={h}: one bf16 row double-buffered on "

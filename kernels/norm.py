@@ -26,11 +26,12 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 
 from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
+from .planning import Budget, DoesNotFit
 from .registry import register
 
-__all__ = ["RMSNORM", "rmsnorm_reference"]
+__all__ = ["RMSNORM", "emit_rmsnorm", "rmsnorm_reference"]
 
-_SRAM_SHARE = 0.9  # leave a little scratchpad for the weight, eps and per-row scalars
 
 
 def rmsnorm_reference(x, residual, weight, eps: float):
@@ -48,7 +49,7 @@ def rmsnorm_reference(x, residual, weight, eps: float):
     return y, h
 
 
-def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec) -> tuple[int, int]:
+def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec, budget_bytes: int) -> tuple[int, int]:
     """(rows per tile, buffer slots): two slots (double-buffered) when a row fits twice, else one.
 
     GPU presets' 228 KiB shared memory cannot hold two 7168-wide rows with their f32 scratch;
@@ -56,71 +57,133 @@ def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec) -> tuple[int, i
     # Per slot and element: x, residual, h, y in bf16 and one f32 scratch = 12 bytes (the
     # double-buffered sizing counts all five even without the residual, as it always has).
     per_row = 12 * hidden
-    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) // 2 - 4 * hidden
+    budget = budget_bytes // 2 - 4 * hidden
     # At least four tiles per core when there are rows enough, so loads, math and stores overlap.
     r = min(-(-rows // 4), budget // per_row)
     if r >= 1:
         return r, 2
     # One slot: only the buffers the variant uses (x, y, f32 scratch; residual and h when fused).
     per_row_single = (12 if fused else 8) * hidden
-    r = min(-(-rows // 4), (int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 4 * hidden) // per_row_single)
+    r = min(-(-rows // 4), (budget_bytes - 4 * hidden) // per_row_single)
     if r >= 1:
         return r, 1
-    raise InvalidArgumentError(
+    raise DoesNotFit(
         f"hidden={hidden} needs {per_row_single + 4 * hidden:,} B of scratchpad for one row; "
-        f"{spec.name} has {spec.sram.scratchpad_bytes:,} B per core")
+        f"{spec.name} plans with {budget_bytes:,} B per core")
 
 
-def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """RMSNorm + residual over ``tokens`` x ``hidden`` (shape keys), spread over the cores."""
-    t, h, eps, fused = shape["tokens"], shape["hidden"], shape["eps"], shape["residual"]
+def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
+                 residual: TensorRef | None = None, y_out: Out | None = None,
+                 h_out: Out | None = None, eps_ref: TensorRef | None = None) -> Emitter:
+    """Emit RMSNorm (+ residual add) of ``x`` [tokens, hidden] (bf16): outputs ``y`` and, with a
+    residual, ``h`` (see the module docstring).
+
+    Args:
+        ctx: the emit context; x, residual: activations (HBM or on chip); w: the [1, hidden] bf16
+            weight (HBM); eps: added to the mean square.
+        y_out, h_out: where ``y`` and ``h`` go (default: on chip, rows where computed).
+            ``Out.to(ref)``: rows split over the cores, each tile stored. ``Out.onchip()``: rows
+            split over the cores, kept in each core's scratchpad. ``Out.replicated(cores)``: each
+            listed core computes every row and keeps all of them (what a decode step's matrix
+            units read in place); both outputs must then be placed alike.
+        eps_ref: the [1, 1] f32 HBM tensor holding eps (default: a constant allocated here).
+
+    Yields/returns ``{"y": ..., "h": ...}`` (``h`` only with a residual).
+    """
+    kb, spec = ctx.kb, ctx.spec
+    t, h = x.shape
+    fused = residual is not None
     if eps <= 0:
         raise InvalidArgumentError(f"shape key eps={eps} must be positive")
-    cores = min(spec.core.count, t)
-    rows_per_core = -(-t // cores)
-    r, n_slots = _tiling(h, rows_per_core, fused, spec)
-    kb = KernelBuilder(f"rmsnorm_{t}x{h}", chip=spec)
-    x_h = kb.hbm("x", (t, h), "bf16")
-    res_h = kb.hbm("residual", (t, h), "bf16") if fused else None
-    w_h = kb.hbm("w", (1, h), "bf16")
-    eps_h = kb.hbm("eps", (1, 1), "f32")
-    y_h = kb.hbm("y", (t, h), "bf16")
-    hout_h = kb.hbm("h", (t, h), "bf16") if fused else None
-    for c in range(cores):
-        lo, hi = c * rows_per_core, min(t, (c + 1) * rows_per_core)
-        if lo >= hi:
-            continue
+    y_out = y_out or Out.onchip()
+    h_out = (h_out or Out(cores=y_out.cores)) if fused else None
+    replicated = y_out.cores is not None
+    if fused and (h_out.cores is not None) != replicated:
+        raise InvalidArgumentError("rmsnorm: y and h must both be replicated or both not")
+    if replicated:
+        work = [(c, 0, t) for c in y_out.cores]
+    else:
+        cores = min(ctx.budget.cores, t)
+        per = -(-t // cores)
+        work = [(c, c * per, min(t, (c + 1) * per)) for c in range(cores) if c * per < t]
+    r, n_slots = _tiling(h, max(hi - lo for _, lo, hi in work), fused, spec, ctx.budget.sram_bytes)
+    w_h = w.hbm_view(0, 0, 1, h)
+    eps_h = eps_ref.hbm_view(0, 0, 1, 1) if eps_ref is not None else \
+        ctx.const("eps", np.full((1, 1), eps, np.float32), "f32")
+    keep_y = not y_out.in_hbm
+    keep_h = fused and not h_out.in_hbm
+    y_pieces: list[Piece] = []
+    h_pieces: list[Piece] = []
+    plans = []
+    for c, lo, hi in work:  # prefetch: the weight and eps rows
         core = kb.core(c)
-        w = kb.sram(c, "w", (1, h), "bf16")
+        wt = kb.sram(c, "w", (1, h), "bf16")
         eps_t = kb.sram(c, "eps", (1, 1), "f32")
-        slots = []
-        for s in range(n_slots):
-            slots.append({name: kb.sram(c, f"{name}{s}", (r, h), "bf16")
-                          for name in (("x", "r", "h", "y") if fused else ("x", "y"))}
-                         | {"f": kb.sram(c, f"f{s}", (r, h), "f32"),
-                            "ss": kb.sram(c, f"ss{s}", (r, 1), "f32"),
-                            "loaded": kb.semaphore(f"c{c}.loaded{s}"),
-                            "done": kb.semaphore(f"c{c}.done{s}"),
-                            "stored": kb.semaphore(f"c{c}.stored{s}")})
         consts = kb.semaphore(f"c{c}.consts")
-        core.dma[0].load(w, w_h)
+        core.dma[0].load(wt, w_h)
         core.dma[0].load(eps_t, eps_h)
         core.dma[0].signal(consts)
+        plans.append((c, lo, hi, core, wt, eps_t, consts))
+    outs: dict[str, TensorRef] = {}
+    # Output buffers (kept on chip) and readiness, decided before the work is emitted.
+    kept: dict[int, dict[str, Any]] = {}
+    for c, lo, hi, *_ in plans:
+        fin = kb.semaphore(f"c{c}.fin")
+        kept[c] = {"fin": fin, "lo": lo}
+        if keep_y:
+            kept[c]["y"] = kb.sram(c, "y_out", (hi - lo, h), "bf16", keep=True)
+            y_pieces.append(Piece(lo, 0, hi - lo, h, kept[c]["y"], None, (fin.id, 1)))
+        if keep_h:
+            kept[c]["h"] = kb.sram(c, "h_out", (hi - lo, h), "bf16", keep=True)
+            h_pieces.append(Piece(lo, 0, hi - lo, h, kept[c]["h"], None, (fin.id, 1)))
+    stored: dict[int, Any] = {c: kb.semaphore(f"c{c}.out_stored") for c, *_ in plans}
+    if keep_y:
+        outs["y"] = TensorRef.onchip("y", (t, h), "bf16", y_pieces)
+    else:
+        outs["y"] = _stored_ref(y_out.ref, work, stored)
+    if fused:
+        outs["h"] = TensorRef.onchip("h", (t, h), "bf16", h_pieces) if keep_h else \
+            _stored_ref(h_out.ref, work, stored)
+    sources = (("x", x), ("r", residual)) if fused else (("x", x),)
+    # Inputs in HBM and ready at the start are loaded in the prefetch part (the first tile of
+    # each slot), so they are not queued behind the next operators' weights.
+    static = all(src.in_hbm and not src.waits() for _, src in sources)
+    names = [nm for nm in (("x", "r", "h", "y") if fused else ("x", "y"))
+             if not (nm == "y" and keep_y) and not (nm == "h" and keep_h)]
+    per_core: dict[int, dict[str, Any]] = {}
+    for c, lo, hi, core, *_ in plans:
+        pc = per_core[c] = {
+            "slots": [{name: kb.sram(c, f"{name}{sidx}", (r, h), "bf16") for name in names}
+                      | {"f": kb.sram(c, f"f{sidx}", (r, h), "f32"),
+                         "ss": kb.sram(c, f"ss{sidx}", (r, 1), "f32"),
+                         "loaded": kb.semaphore(f"c{c}.loaded{sidx}"),
+                         "done": kb.semaphore(f"c{c}.done{sidx}"),
+                         "stored": kb.semaphore(f"c{c}.stored{sidx}")} for sidx in range(n_slots)],
+            "waited": {core.vpu.engine: set()}, "loaded_count": [0] * n_slots, "tiles": {},
+        }
+        for i, r0 in enumerate(range(lo, hi, r)):
+            if static and i < n_slots:
+                _load_tile(kb, c, core, pc, i, r0, min(r, hi - r0), h, sources, keep_y, keep_h, kept)
+    yield outs
+
+    for c, lo, hi, core, wt, eps_t, consts in plans:
         core.vpu.wait(consts, 1)
+        pc = per_core[c]
+        q_load, q_store, v = core.dma[0], core.dma[1], core.vpu
+        tiles_n = -(-(hi - lo) // r)
         for i, r0 in enumerate(range(lo, hi, r)):
             n = min(r, hi - r0)
-            sl = slots[i % n_slots]
+            sl = pc["slots"][i % n_slots]
             use = i // n_slots + 1  # how many times this slot has been used, this one included
-            tile = {k: (v.sub(0, 0, n, v.cols) if hasattr(v, "sub") else v) for k, v in sl.items()}
-            q_load, q_store = core.dma[0], core.dma[1]
-            if use > 1:  # the slot's previous tile must have been stored
-                q_load.wait(sl["stored"], use - 1)
-            q_load.load(tile["x"], x_h.sub(r0, 0, n, h))
-            if fused:
-                q_load.load(tile["r"], res_h.sub(r0, 0, n, h))
-            q_load.signal(sl["loaded"])
-            v = core.vpu
-            v.wait(sl["loaded"], use)
+            if i not in pc["tiles"]:
+                if use > 1 and not (keep_y and (keep_h or not fused)):
+                    q_load.wait(sl["stored"], use - 1)  # the slot's previous tile has been stored
+                elif use > 1:
+                    q_load.wait(sl["done"], use - 1)  # the vector unit is done with the slot
+                _load_tile(kb, c, core, pc, i, r0, n, h, sources, keep_y, keep_h, kept)
+            tile, wait = pc["tiles"][i]
+            for cond in wait:
+                v.wait(*cond)
             if fused:
                 v.add(tile["h"], tile["x"], tile["r"])
             else:
@@ -131,13 +194,86 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             v.add(tile["ss"], tile["ss"], eps_t)
             v.rsqrt(tile["ss"], tile["ss"])
             v.mul(tile["f"], tile["h"], tile["ss"])
-            v.mul(tile["y"], tile["f"], w)
+            v.mul(tile["y"], tile["f"], wt)
             v.signal(sl["done"])
-            q_store.wait(sl["done"], use)
-            q_store.store(y_h.sub(r0, 0, n, h), tile["y"])
-            if fused:
-                q_store.store(hout_h.sub(r0, 0, n, h), tile["h"])
-            q_store.signal(sl["stored"])
+            if not keep_y or (fused and not keep_h):
+                q_store.wait(sl["done"], use)
+                if not keep_y:
+                    q_store.store(y_out.ref.hbm_view(r0, 0, n, h), tile["y"])
+                if fused and not keep_h:
+                    q_store.store(h_out.ref.hbm_view(r0, 0, n, h), tile["h"])
+                q_store.signal(sl["stored"])
+                if i == tiles_n - 1:
+                    q_store.signal(stored[c])
+        if keep_y or keep_h:
+            v.signal(kept[c]["fin"])
+    return outs
+
+
+def _load_tile(kb: KernelBuilder, c: int, core: Any, pc: dict[str, Any], i: int, r0: int, n: int, h: int,
+               sources: tuple, keep_y: bool, keep_h: bool, kept: dict[int, dict[str, Any]]) -> None:
+    """Bring tile i's inputs (rows r0..r0+n) into its slot, or find them in place; records the
+    tile's buffers and what the vector unit must wait for in ``pc["tiles"][i]``."""
+    n_slots = len(pc["slots"])
+    sl = pc["slots"][i % n_slots]
+    lo = kept[c].get("lo", 0)
+    tile = {k: (val.sub(0, 0, n, val.cols) if hasattr(val, "sub") else val) for k, val in sl.items()}
+    if keep_y:
+        tile["y"] = kept[c]["y"].sub(r0 - lo, 0, n, h)
+    if keep_h:
+        tile["h"] = kept[c]["h"].sub(r0 - lo, 0, n, h)
+    waited, vpu = pc["waited"], core.vpu.engine
+    wait: list = []
+    used: list[Any] = []
+    for name, src in sources:
+        here = src.local(c, r0, 0, n, h)
+        if here is None:  # on-chip pieces elsewhere are spread over the queues
+            qs = [core.dma[0]] if src.in_hbm else core.dma
+            used += [q for q in fetch(qs, tile[name], src, r0, 0, waited=waited) if q not in used]
+        else:
+            tile[name], ready = here
+            if ready is not None and ready not in waited[vpu]:
+                wait.append(ready)
+                waited[vpu].add(ready)
+    if len(used) == 1:
+        used[0].signal(sl["loaded"])
+        pc["loaded_count"][i % n_slots] += 1
+        wait.append((sl["loaded"].id, pc["loaded_count"][i % n_slots]))
+    elif used:  # several queues: a semaphore of the tile's own, so each count is unambiguous
+        got = kb.semaphore(f"c{c}.in{i}")
+        for q in used:
+            q.signal(got)
+        wait.append((got.id, len(used)))
+    pc["tiles"][i] = (tile, wait)
+
+
+def _stored_ref(ref: TensorRef, work: list[tuple[int, int, int]], stored: dict[int, Any]) -> TensorRef:
+    """An HBM output whose rows [lo, hi) are ready when core c's store queue signals ``stored[c]``."""
+    for c, lo, hi in work:
+        ref = ref.with_ready(lo, 0, hi - lo, ref.shape[1], (stored[c].id, 1))
+    return ref
+
+
+def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """RMSNorm + residual over ``tokens`` x ``hidden`` (shape keys), spread over the cores."""
+    t, h, eps, fused = shape["tokens"], shape["hidden"], shape["eps"], shape["residual"]
+    if eps <= 0:
+        raise InvalidArgumentError(f"shape key eps={eps} must be positive")
+    cores = min(spec.core.count, t)
+    r, n_slots = _tiling(h, -(-t // cores), fused, spec, Budget.of(spec).sram_bytes)  # refuse before building
+    kb = KernelBuilder(f"rmsnorm_{t}x{h}", chip=spec)
+    x_h = kb.hbm("x", (t, h), "bf16")
+    res_h = kb.hbm("residual", (t, h), "bf16") if fused else None
+    w_h = kb.hbm("w", (1, h), "bf16")
+    ctx = EmitCtx.standalone(kb)
+    eps_h = ctx.const("eps", np.full((1, 1), eps, np.float32), "f32")
+    y_h = kb.hbm("y", (t, h), "bf16")
+    hout_h = kb.hbm("h", (t, h), "bf16") if fused else None
+    run_emitter(emit_rmsnorm(
+        ctx, TensorRef.hbm("x", x_h), TensorRef.hbm("w", w_h), eps=eps, eps_ref=TensorRef.hbm("eps", eps_h),
+        residual=TensorRef.hbm("residual", res_h) if fused else None,
+        y_out=Out.to(TensorRef.hbm("y", y_h)),
+        h_out=Out.to(TensorRef.hbm("h", hout_h)) if fused else None))
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)

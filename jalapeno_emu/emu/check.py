@@ -22,13 +22,12 @@ before the other.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import defaultdict
 
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
+from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import (
     CapacityExceeded,
@@ -87,10 +86,17 @@ def _check_capacity(program: Program, spec: ChipSpec) -> None:
         by_space[(a.space, a.core)].append(a)
     for allocs in by_space.values():
         allocs.sort(key=lambda a: a.offset)
-        for x, y in itertools.pairwise(allocs):
-            if y.offset < x.end:
-                raise OutOfBounds(f"allocations {x.name!r} and {y.name!r} overlap in "
-                                  f"{x.space.value} ({x.offset:#x}..{x.end:#x} and {y.offset:#x}..)")
+        # Regions of a fused program reuse memory over time: two allocations may overlap when
+        # they belong to different regions (races between them are caught below).
+        ends: dict[str, tuple[int, Allocation]] = {}  # per scope: the furthest-reaching so far
+        for y in allocs:
+            for scope, (end, x) in ends.items():
+                if y.offset < end and (scope == "" or y.scope in ("", scope)):
+                    raise OutOfBounds(f"allocations {x.name!r} and {y.name!r} overlap in "
+                                      f"{x.space.value} ({x.offset:#x}..{x.end:#x} and {y.offset:#x}..)")
+            prev = ends.get(y.scope)
+            if prev is None or y.end > prev[0]:
+                ends[y.scope] = (y.end, y)
     hbm = sorted((a for a in program.allocations if a.space is Space.HBM), key=lambda a: a.offset)
     for idx, ins in enumerate(program.instructions):
         eng = ins.engine

@@ -228,7 +228,8 @@ class Allocation:
     """A named region of memory.
 
     Attributes:
-        name: unique within its space and core.
+        name: unique within its space and core; ``region/name`` inside a builder region
+            (``KernelBuilder.region``), see ``scope``.
         space: HBM, SRAM or ACC.
         core: owning core for SRAM/ACC (0 for HBM).
         offset: first byte.
@@ -245,6 +246,18 @@ class Allocation:
     def end(self) -> int:
         """One past the last byte."""
         return self.offset + self.nbytes
+
+    @property
+    def scope(self) -> str:
+        """The region that made it: the part of ``name`` before its first ``/`` ("" if none).
+
+        A fused program reuses a core's scratchpad and accumulators from one operator to the
+        next, so allocations of two *different* regions may overlap (the checker's race
+        detector proves that the reuse is ordered); allocations of one region, or made
+        outside any region, never overlap.
+        """
+        head, sep, _ = self.name.partition("/")
+        return head if sep else ""
 
 
 @dataclass(frozen=True)

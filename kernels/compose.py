@@ -1,0 +1,315 @@
+"""Fused programs: a sequence of emitters composed into one persistent Program.
+
+Stage: kernels, above the emitters (``kernels/emit.py``), below the model (``model/fused.py``
+composes a layer or a whole step with it). A :class:`Composer` takes operators in program order
+(each an emitter with its inputs bound to earlier operators' outputs) and emits them into one
+builder, each in its own builder region (``KernelBuilder.region``), so that:
+
+- **operator boundaries are semaphore edges**: an operator's engines wait for exactly the pieces
+  of its inputs they touch (``TensorRef`` readiness), not for the whole previous kernel, and the
+  launch cost is paid once for the program;
+- **activations stay on chip** where the emitters keep them (``Out.onchip``/``Out.replicated``):
+  the next operator copies them scratchpad to scratchpad or reads them in place;
+- **the weights of the next operators stream while the current one computes**: the prefetch parts
+  of up to ``lookahead`` operators ahead are emitted before the rest of the current one (on every
+  engine queue, what comes first in the program runs first), as far as free memory allows;
+- **memory is reused across operators**: each core's scratchpad and accumulators are an
+  :class:`Arena`. An operator's buffers are freed when it is done, its outputs when their last
+  reader is; an operator that reuses freed memory first waits, on every engine it uses, for the
+  regions that last held it to be done (its region's *fences*). Reuse is only ever of memory
+  freed by operators whose whole program was emitted before, so a fence never waits on
+  something behind it in a queue (no deadlock), and the checker's race detector proves each
+  reuse ordered.
+
+**Plans do not change with fusion.** Every operator plans with the stand-alone budget
+(``Budget.of(spec)``), so a fused program does exactly the arithmetic of the launches it
+replaces, only scheduled differently. When the prefetch of an operator does not fit beside the
+operators still running, it waits until more of them are done (in the limit, until the
+operator before it is: no lookahead).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.isa.builder import KernelBuilder, Region
+from jalapeno_emu.isa.table import Space
+
+from .emit import EmitCtx, Emitter, Ready, TensorRef
+from .planning import Budget, DoesNotFit
+
+__all__ = ["Arena", "ArenaFull", "Composer", "FusedOp"]
+
+
+class ArenaFull(DoesNotFit):
+    """No free memory of the size asked for (the composer defers the operator, or gives up)."""
+
+
+@dataclass
+class _Segment:
+    start: int
+    end: int
+    fences: frozenset[Ready]
+
+
+class Arena:
+    """The scratchpad and accumulator memory of every core of a fused program, reused over time.
+
+    Free memory is a sorted list of segments per (space, core), each with the fences (region
+    done conditions) a new occupant must wait for. ``alloc`` takes the first run of adjacent
+    free segments that holds the bytes, preferring memory whose last occupants finished longest
+    ago; ``release`` returns a region's memory with the region's done condition as its fence.
+    """
+
+    def __init__(self, spec: ChipSpec) -> None:
+        self.caps = {Space.SRAM: spec.sram.scratchpad_bytes, Space.ACC: spec.sram.accumulator_bytes}
+        self._free: dict[tuple[Space, int], list[_Segment]] = {}
+        self._held: dict[str, list[tuple[Space, int, int, int]]] = {}  # region -> scratch blocks
+        self._kept: dict[str, list[tuple[Space, int, int, int]]] = {}  # region -> output blocks
+        self._age: dict[Ready, int] = {}  # fence -> release sequence number
+        self._releases = 0
+
+    def _segments(self, space: Space, core: int) -> list[_Segment]:
+        key = (space, core)
+        if key not in self._free:
+            self._free[key] = [_Segment(0, self.caps[space], frozenset())]
+        return self._free[key]
+
+    def alloc(self, space: Space, core: int, nbytes: int, align: int, region: Region,
+              keep: bool) -> tuple[int, frozenset[Ready]]:
+        """(offset, fences) of ``nbytes`` for ``region``; ArenaFull when no run of free memory fits."""
+        segs = self._segments(space, core)
+        best = None
+        for recent in (False, True):  # memory released at least two releases ago first
+            best = self._find(segs, nbytes, align, allow_recent=recent)
+            if best is not None:
+                break
+        if best is None:
+            free = sum(s.end - s.start for s in segs)
+            raise ArenaFull(f"region {region.name!r}: {nbytes:,} B of {space.value} on core {core} do not "
+                            f"fit ({free:,} B free in pieces)")
+        i, j, start = best
+        fences = frozenset().union(*(s.fences for s in segs[i:j + 1]))
+        end = start + nbytes
+        keep_segs = []
+        if segs[i].start < start:
+            keep_segs.append(_Segment(segs[i].start, start, segs[i].fences))
+        if end < segs[j].end:
+            keep_segs.append(_Segment(end, segs[j].end, segs[j].fences))
+        segs[i:j + 1] = keep_segs
+        (self._kept if keep else self._held).setdefault(region.name, []).append((space, core, start, end))
+        return start, fences
+
+    def _find(self, segs: list[_Segment], nbytes: int, align: int, allow_recent: bool
+              ) -> tuple[int, int, int] | None:
+        horizon = self._releases - 1
+        for i in range(len(segs)):
+            start = -(-segs[i].start // align) * align
+            j = i
+            while True:
+                s = segs[j]
+                if not allow_recent and any(self._age.get(f, 0) >= horizon for f in s.fences):
+                    break
+                if s.end - start >= nbytes:
+                    return i, j, start
+                if j + 1 >= len(segs) or segs[j + 1].start != s.end:
+                    break
+                j += 1
+        return None
+
+    def release(self, region: str, fences: frozenset[Ready], *, kept: bool = False) -> None:
+        """Free a region's scratch memory (or, ``kept``, its outputs) behind ``fences``."""
+        blocks = (self._kept if kept else self._held).pop(region, [])
+        self._releases += 1
+        for f in fences:
+            self._age[f] = self._releases
+        for space, core, start, end in blocks:
+            segs = self._segments(space, core)
+            segs.append(_Segment(start, end, fences))
+            segs.sort(key=lambda s: s.start)
+            merged: list[_Segment] = []
+            for s in segs:  # merge neighbours with the same fences
+                if merged and merged[-1].end == s.start and merged[-1].fences == s.fences:
+                    merged[-1].end = s.end
+                else:
+                    merged.append(s)
+            segs[:] = merged
+
+    def snapshot(self) -> Any:
+        """State to :meth:`restore` (when an operator's emission is rolled back)."""
+        return copy.deepcopy((self._free, self._held, self._kept, self._age, self._releases))
+
+    def restore(self, state: Any) -> None:
+        """Go back to a :meth:`snapshot`."""
+        self._free, self._held, self._kept, self._age, self._releases = copy.deepcopy(state)
+
+
+@dataclass
+class FusedOp:
+    """One operator of a fused program.
+
+    Attributes:
+        label: its name (the builder region's name: unique, no ``/``).
+        emit: (ctx, **inputs) -> the emitter generator.
+        inputs: emitter argument -> the value name it reads (an earlier output or an external value).
+        outputs: emitter output name -> the value name it is bound to.
+        kind: what it is for reports (the kernel name).
+        region: the builder region once started; done: its (semaphore, count) once closed.
+    """
+
+    label: str
+    emit: Callable[..., Emitter]
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    kind: str = ""
+    region: Region | None = None
+    done: tuple[Any, int] | None = None
+    gen: Emitter | None = field(default=None, repr=False)
+
+
+class Composer:
+    """Emits operators into one Program (see the module docstring).
+
+    Args:
+        kb: the builder of the fused program.
+        spec: the chip.
+        lookahead: operators whose prefetch part may run ahead of the current one.
+        budget: the budget each operator plans with (default: the stand-alone one, so plans match
+            the stand-alone launches').
+    """
+
+    def __init__(self, kb: KernelBuilder, spec: ChipSpec, *, lookahead: int = 2,
+                 budget: Budget | None = None) -> None:
+        self.kb, self.spec = kb, spec
+        self.lookahead = max(0, lookahead)
+        self.arena = Arena(spec)
+        self.ctx = EmitCtx(kb, spec, budget or Budget.of(spec))
+        self.values: dict[str, TensorRef] = {}
+        self.ops: list[FusedOp] = []
+        self._producer: dict[str, int] = {}
+
+    def value(self, name: str, ref: TensorRef) -> None:
+        """An external value (an HBM tensor the program starts with)."""
+        if name in self.values or name in self._producer:
+            raise DoesNotFit(f"value {name!r} defined twice")
+        self.values[name] = ref
+
+    def add(self, label: str, emit: Callable[..., Emitter], inputs: Mapping[str, str] | None = None,
+            outputs: Mapping[str, str] | None = None, *, kind: str = "") -> FusedOp:
+        """Append an operator; its inputs must be external values or earlier operators' outputs."""
+        op = FusedOp(label, emit, dict(inputs or {}), dict(outputs or {}), kind)
+        for arg, name in op.inputs.items():
+            if name not in self.values and name not in self._producer:
+                raise DoesNotFit(f"operator {label!r}: input {arg}={name!r} is not produced before it")
+        for name in op.outputs.values():
+            if name in self.values or name in self._producer:
+                raise DoesNotFit(f"operator {label!r}: value {name!r} is produced twice")
+            self._producer[name] = len(self.ops)
+        self.ops.append(op)
+        return op
+
+    # --- emission ---------------------------------------------------------------------------
+    def _checkpoint(self) -> tuple:
+        kb = self.kb
+        return (len(kb._instructions), len(kb._allocs), len(kb._sems), len(kb._regions), dict(kb._next),
+                set(self.ctx.consts), self.arena.snapshot())
+
+    def _rollback(self, cp: tuple) -> None:
+        kb = self.kb
+        n_ins, n_alloc, n_sem, n_reg, nxt, consts, arena = cp
+        for a in kb._allocs[n_alloc:]:
+            kb._alloc_names.discard((a.space, a.core, a.name))
+            kb._tensors.pop(a.name, None)
+        del kb._instructions[n_ins:], kb._allocs[n_alloc:], kb._sems[n_sem:], kb._regions[n_reg:]
+        kb._next = nxt
+        kb._region = None
+        for k in set(self.ctx.consts) - consts:
+            del self.ctx.consts[k]
+        self.arena.restore(arena)
+
+    def _start(self, j: int, *, may_defer: bool) -> bool:
+        """Emit operator j's prefetch part; False (rolled back) when its memory does not fit yet."""
+        op = self.ops[j]
+        cp = self._checkpoint()
+        region = self.kb.region(op.label, arena=self.arena)
+        try:
+            with region:
+                inputs = {arg: self.values[name] for arg, name in op.inputs.items()}
+                gen = op.emit(self.ctx, **inputs)
+                try:
+                    refs = next(gen)
+                except StopIteration:
+                    raise DoesNotFit(f"operator {op.label!r}: its emitter must yield after its prefetch "
+                                     "part to run in a fused program") from None
+        except ArenaFull:
+            self._rollback(cp)
+            if may_defer:
+                return False
+            raise
+        op.region, op.gen = region, gen
+        for out, name in op.outputs.items():
+            if out not in refs:
+                raise DoesNotFit(f"operator {op.label!r} did not produce output {out!r} "
+                                 f"(it produces {sorted(refs)})")
+            self.values[name] = refs[out]
+        return True
+
+    def _finish(self, j: int) -> None:
+        op = self.ops[j]
+        assert op.region is not None and op.gen is not None
+        with op.region:
+            try:
+                next(op.gen)
+            except StopIteration:
+                pass
+            else:
+                raise DoesNotFit(f"operator {op.label!r}: an emitter must yield exactly once")
+        sem, count = op.region.close()
+        op.done = (sem, count)
+        done = frozenset({(sem.id, count)}) if count else frozenset()
+        self.arena.release(op.label, done)
+        self._release_outputs(j)
+
+    def _readers(self, j: int) -> list[int]:
+        names = set(self.ops[j].outputs.values())
+        return [k for k, op in enumerate(self.ops) if names & set(op.inputs.values())]
+
+    def _done_fence(self, k: int) -> frozenset[Ready]:
+        done = self.ops[k].done
+        return frozenset({(done[0].id, done[1])}) if done and done[1] else frozenset()
+
+    def _release_outputs(self, closed: int) -> None:
+        """Free the kept outputs of every producer whose readers are all done now."""
+        producers = {self._producer[n] for n in self.ops[closed].inputs.values() if n in self._producer}
+        producers.add(closed)
+        for p in sorted(producers):
+            if self.ops[p].done is None:
+                continue
+            readers = self._readers(p)
+            if all(self.ops[k].done is not None for k in readers):
+                fences = self._done_fence(p).union(*(self._done_fence(k) for k in readers))
+                self.arena.release(self.ops[p].label, fences, kept=True)
+
+    def build(self) -> dict[str, TensorRef]:
+        """Emit every operator; returns every value (external and produced) by name.
+
+        Raises:
+            DoesNotFit: an operator does not fit even with every earlier one done.
+        """
+        n = len(self.ops)
+        started = 0
+        for j in range(n):
+            if started <= j:
+                self._start(j, may_defer=False)
+                started = j + 1
+            # Prefetch parts of the next operators go before the rest of this one.
+            while started < min(n, j + 1 + self.lookahead):
+                if not self._start(started, may_defer=True):
+                    break
+                started += 1
+            self._finish(j)
+        return dict(self.values)

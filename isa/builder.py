@@ -236,7 +236,7 @@ class Region:
         self.engines[engine] = None
         wait = _LAYOUTS["sem.wait"]
         for sem, value in self.fences:
-            wait.issue(self.kb, engine, (sem, value), "")
+            wait.issue(self.kb, engine, (sem, value), f"{self.name}:fence")
 
     def add_fences(self, fences: Any) -> None:
         """Add fence conditions; engines already in the region wait for the new ones now (their
@@ -251,7 +251,7 @@ class Region:
             wait = _LAYOUTS["sem.wait"]
             for engine in self.engines:
                 for sem, value in new:
-                    wait.issue(self.kb, engine, (sem, value), "")
+                    wait.issue(self.kb, engine, (sem, value), f"{self.name}:fence")
 
     def close(self) -> tuple[Semaphore, int]:
         """End the region: every engine of it signals one semaphore, whose count reaching the
@@ -263,7 +263,7 @@ class Region:
             sem = self.kb.semaphore("done")
             signal = _LAYOUTS["sem.signal"]
             for engine in list(self.engines):
-                signal.issue(self.kb, engine, (sem.id, 1), "")
+                signal.issue(self.kb, engine, (sem.id, 1), f"{self.name}:done")
         self.done = (sem, len(self.engines))
         return self.done
 

@@ -15,7 +15,7 @@ from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Program
 from jalapeno_emu.errors import InvalidArgumentError
 
-__all__ = ["KernelBuild", "KernelDef", "ShapeKey", "Tolerance"]
+__all__ = ["ROLES", "KernelBuild", "KernelDef", "ShapeKey", "TensorSpec", "Tolerance"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,43 @@ class KernelBuild:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
+ROLES = ("input", "output", "inout", "weight", "scratch")
+"""What an HBM tensor of a kernel is for (``TensorSpec.role``):
+
+- ``input`` / ``output``: activations, token-major ([tokens, features]); in a fused program they
+  may be other operators' outputs on chip instead of HBM tensors;
+- ``inout``: updated in place (a KV cache the kernel appends to);
+- ``weight``: data the runtime provides (weights, caches read, RoPE tables, block tables);
+- ``scratch``: written and read by the kernel itself (HBM staging between its phases).
+
+Constants that depend only on the shape (masks, eps, identity tiles) are not listed: the emitter
+allocates them with ``EmitCtx.const`` and records their values."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HBM tensor of a kernel, as its stand-alone program allocates it.
+
+    Attributes:
+        name: the allocation's name (``x``, ``w``, ``k_cache``, ...).
+        shape: [rows, cols]: for activations the token-major shape the emitter accepts (which
+            may differ from the stand-alone allocation's by a reshape of the same bytes).
+        dtype: an ISA dtype (MX: the code dtype, with ``mx_axis``).
+        role: one of ``ROLES``.
+        mx_axis: the blocked axis of an MX tensor (codes ``name`` and scales ``name.scales``).
+    """
+
+    name: str
+    shape: tuple[int, int]
+    dtype: str
+    role: str
+    mx_axis: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"TensorSpec role {self.role!r} is not one of {ROLES}")
+
+
 @dataclass(frozen=True)
 class KernelDef:
     """A registered kernel.
@@ -112,12 +149,20 @@ class KernelDef:
         shape_keys: its shape parameters, with small defaults.
         build: (shape dict, chip spec) -> KernelBuild. Must raise InvalidArgumentError for
             impossible shapes before building anything.
+        emit: (ctx, shape, tensors, outs) -> an emitter (``kernels/emit.py``): the kernel
+            emitted into a fused program, ``tensors`` mapping every name of ``tensors_of`` to a
+            ``TensorRef`` and ``outs`` each output name to an ``Out``. None: the kernel only
+            runs stand-alone.
+        tensors_of: (shape, chip spec) -> the kernel's HBM tensors (``TensorSpec``), in the
+            order the stand-alone program allocates them.
     """
 
     name: str
     doc: str
     shape_keys: tuple[ShapeKey, ...]
     build: Callable[[dict[str, Any], ChipSpec], KernelBuild]
+    emit: Callable[..., Any] | None = None
+    tensors_of: Callable[[dict[str, Any], ChipSpec], tuple[TensorSpec, ...]] | None = None
 
     def defaults(self) -> dict[str, Any]:
         """The default (small) shape."""

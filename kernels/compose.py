@@ -25,7 +25,10 @@ builder, each in its own builder region (``KernelBuilder.region``), so that:
 (``Budget.of(spec)``), so a fused program does exactly the arithmetic of the launches it
 replaces, only scheduled differently. When the prefetch of an operator does not fit beside the
 operators still running, it waits until more of them are done (in the limit, until the
-operator before it is: no lookahead).
+operator before it is: no lookahead). Only when it does not fit even then, beside the values
+still live on chip, is it re-planned within what they leave (``FusedOp.replanned``; its tiling,
+and for kernels whose arithmetic follows the tiling its results, may then differ from the
+stand-alone launch's).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.isa.builder import KernelBuilder, Region
 from jalapeno_emu.isa.table import Space
 
-from .emit import EmitCtx, Emitter, Ready, TensorRef
-from .planning import Budget, DoesNotFit
+from .emit import EmitCtx, Emitter, Out, Ready, TensorRef
+from .planning import SRAM_SHARE, Budget, DoesNotFit
 
 __all__ = ["Arena", "ArenaFull", "Composer", "FusedOp"]
 
@@ -139,6 +142,21 @@ class Arena:
                     merged.append(s)
             segs[:] = merged
 
+    def largest_free(self, cores: int) -> dict[Space, int]:
+        """Per space, the smallest over ``cores`` cores of each core's largest run of free bytes."""
+        out = {}
+        for space in (Space.SRAM, Space.ACC):
+            best = []
+            for c in range(cores):
+                runs, run, end = [], 0, None
+                for seg in self._segments(space, c):
+                    run = run + (seg.end - seg.start) if end == seg.start else seg.end - seg.start
+                    end = seg.end
+                    runs.append(run)
+                best.append(max(runs, default=0))
+            out[space] = min(best)
+        return out
+
     def snapshot(self) -> Any:
         """State to :meth:`restore` (when an operator's emission is rolled back)."""
         return copy.deepcopy((self._free, self._held, self._kept, self._age, self._releases))
@@ -159,6 +177,8 @@ class FusedOp:
         outputs: emitter output name -> the value name it is bound to.
         kind: what it is for reports (the kernel name).
         region: the builder region once started; done: its (semaphore, count) once closed.
+        hbm: for ``add_kernel`` operators, each tensor it allocated -> its recorded HBM name
+            (what a functional run binds data to).
     """
 
     label: str
@@ -169,6 +189,8 @@ class FusedOp:
     region: Region | None = None
     done: tuple[Any, int] | None = None
     gen: Emitter | None = field(default=None, repr=False)
+    hbm: dict[str, str] = field(default_factory=dict)  # kernel tensor -> recorded HBM name
+    replanned: bool = False  # planned within the memory live values left, not the stand-alone budget
 
 
 class Composer:
@@ -212,6 +234,55 @@ class Composer:
         self.ops.append(op)
         return op
 
+    def add_kernel(self, label: str, kernel: str, shape: Mapping[str, Any], *,
+                   inputs: Mapping[str, str] | None = None, outputs: Mapping[str, str] | None = None,
+                   outs: Mapping[str, Out] | None = None) -> FusedOp:
+        """Append a registered kernel as an operator.
+
+        Args:
+            label: the operator's name.
+            kernel: a registered kernel with an emitter (``KernelDef.emit``).
+            shape: its full shape (``KernelDef.shape``).
+            inputs: kernel tensor name -> the value it reads (an earlier output or external).
+                Every other tensor of ``KernelDef.tensors_of`` is allocated in HBM inside the
+                operator's region (``label/name``): weights, caches, scratch, and outputs that
+                have no ``outs`` placement (stored there).
+            outputs: kernel output name -> the value name it is bound to.
+            outs: kernel output name -> where it goes (default: the allocated HBM tensor).
+        """
+        from .registry import get_kernel
+
+        kdef = get_kernel(kernel)
+        if kdef.emit is None or kdef.tensors_of is None:
+            raise DoesNotFit(f"kernel {kernel} has no emitter: it cannot run in a fused program")
+        shape = dict(shape)
+        specs = kdef.tensors_of(shape, self.spec)
+        bound = dict(inputs or {})
+        placements = dict(outs or {})
+        unknown = (set(bound) | set(placements) | set(outputs or {})) - {t.name for t in specs}
+        if unknown:
+            raise DoesNotFit(f"operator {label!r} ({kernel}): no tensors named {sorted(unknown)}")
+        hbm_names: dict[str, str] = {}
+
+        def emit(ctx: EmitCtx, **refs: TensorRef) -> Emitter:
+            tensors = dict(refs)
+            for ts in specs:
+                if ts.name in tensors:
+                    continue
+                if ts.role == "output" and ts.name in placements:
+                    continue
+                tile = (ctx.kb.hbm_mx(ts.name, ts.shape, ts.dtype, ts.mx_axis) if ts.mx_axis is not None
+                        else ctx.kb.hbm(ts.name, ts.shape, ts.dtype))
+                hbm_names[ts.name] = ctx.kb._scoped(ts.name)
+                tensors[ts.name] = TensorRef.hbm(ts.name, tile)
+            out_places = {ts.name: placements.get(ts.name) or Out.to(tensors[ts.name])
+                          for ts in specs if ts.role in ("output", "inout")}
+            return kdef.emit(ctx, shape, tensors, out_places)
+
+        op = self.add(label, emit, bound, outputs, kind=kernel)
+        op.hbm = hbm_names
+        return op
+
     # --- emission ---------------------------------------------------------------------------
     def _checkpoint(self) -> tuple:
         kb = self.kb
@@ -231,10 +302,13 @@ class Composer:
             del self.ctx.consts[k]
         self.arena.restore(arena)
 
-    def _start(self, j: int, *, may_defer: bool) -> bool:
+    def _start(self, j: int, *, may_defer: bool, budget: Budget | None = None) -> bool:
         """Emit operator j's prefetch part; False (rolled back) when its memory does not fit yet."""
         op = self.ops[j]
         cp = self._checkpoint()
+        base_budget = self.ctx.budget
+        if budget is not None:
+            self.ctx.budget = budget
         region = self.kb.region(op.label, arena=self.arena)
         try:
             with region:
@@ -245,11 +319,22 @@ class Composer:
                 except StopIteration:
                     raise DoesNotFit(f"operator {op.label!r}: its emitter must yield after its prefetch "
                                      "part to run in a fused program") from None
-        except ArenaFull:
+        except ArenaFull as exc:
             self._rollback(cp)
             if may_defer:
                 return False
-            raise
+            if budget is not None:
+                raise DoesNotFit(f"operator {op.label!r} does not fit beside the values still live "
+                                 f"on chip, even re-planned within {budget.sram_bytes:,} B per core: "
+                                 f"{exc.message}") from None
+            # Every earlier operator is done: what is left is the live values. Re-plan this one
+            # within the memory they leave (its plan then differs from the stand-alone one's).
+            free = self.arena.largest_free(self.spec.core.count)
+            budget = Budget(int(free[Space.SRAM] * SRAM_SHARE), free[Space.ACC], self.ctx.budget.cores)
+            op.replanned = True
+            return self._start(j, may_defer=False, budget=budget)
+        finally:
+            self.ctx.budget = base_budget
         op.region, op.gen = region, gen
         for out, name in op.outputs.items():
             if out not in refs:

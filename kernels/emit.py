@@ -27,11 +27,21 @@ so the matrix units read it in place). The emitter says which it honours; it ret
 :class:`TensorRef` of each output with a ``ready`` per piece.
 
 **Two parts.** An emitter ``yield`` s once: everything before the ``yield`` is its *prefetch*
-part (loads of tensors ready at the start -- weights, constants, the cached context -- and
-nothing that waits for an input), and the ``yield`` hands over its outputs' refs (placement and
-readiness are known before the work is emitted). A fused program emits the prefetch parts of the
-next operators before the rest of the current one, so their weights stream into free scratchpad
-while the current operator computes. :func:`run_emitter` runs both parts back to back.
+part, and the ``yield`` hands over its outputs' refs (placement and readiness are known before
+the work is emitted). A fused program emits the prefetch parts of the next operators before the
+rest of the current one, so their weights stream into free scratchpad while the current
+operator computes. :func:`run_emitter` runs both parts back to back. The prefetch part may hold
+only DMA loads of tensors ready at the start (weights, constants, the cached context), signals,
+and DMA-queue waits on its own transfers: no matrix or vector instruction and no wait on an
+input (those engines' earlier instructions are the current operator's; a wait there would
+stall it, or deadlock).
+
+**The kernel contract** (``KernelDef.emit`` / ``KernelDef.tensors_of``): ``emit(ctx, shape,
+tensors, outs)`` with ``tensors`` a ref for every ``TensorSpec`` of the kernel (activations in
+token-major shape, [tokens, features], which a stand-alone program may allocate under another
+shape of the same bytes) and ``outs`` a placement per output. Constants are the emitter's own
+(``EmitCtx.const``). Plans come from ``ctx.budget`` only, so the same shape plans the same way
+fused or not.
 """
 
 from __future__ import annotations

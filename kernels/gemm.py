@@ -96,7 +96,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
 from jalapeno_emu.isa.table import DTYPES
 
-from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
@@ -708,6 +708,26 @@ def _build_gemm_kernel(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                       shape["bias"], spec)
 
 
+def gemm_tensors(m: int, n: int, k: int, weight_fmt: str, act_fmt: str, bias: bool) -> tuple[TensorSpec, ...]:
+    """The gemm HBM tensors: x (MX along K unless bf16), w (MX along K unless bf16), bias, y."""
+    specs = [TensorSpec("x", (m, k), act_fmt, "input", 1 if act_fmt != "bf16" else None),
+             TensorSpec("w", (k, n), weight_fmt, "weight", 0 if weight_fmt != "bf16" else None)]
+    if bias:
+        specs.append(TensorSpec("bias", (1, n), "bf16", "weight"))
+    return (*specs, TensorSpec("y", (m, n), "bf16", "output"))
+
+
+def _emit_gemm_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                      outs: dict[str, Out]) -> Emitter:
+    return emit_gemm(ctx, t["x"], t["w"], t.get("bias"), y_out=outs.get("y"))
+
+
+def _emit_logits_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                        outs: dict[str, Out]) -> Emitter:
+    return emit_gemm(ctx, t["x"], t["w"], None, y_out=outs.get("y"),
+                     key_names={"m": "tokens", "n": "vocab", "k": "hidden"})
+
+
 GEMM = register(KernelDef(
     name="gemm",
     doc="y[m, n] (bf16) = x[m, k] @ W[k, n] + bias: MXFP4/MXFP8/BF16 weights blocked along K, "
@@ -724,6 +744,9 @@ GEMM = register(KernelDef(
         ShapeKey("bias", bool, True, "add a BF16 bias row"),
     ),
     build=_build_gemm_kernel,
+    emit=_emit_gemm_kernel,
+    tensors_of=lambda shape, spec: gemm_tensors(shape["m"], shape["n"], shape["k"], shape["weight_fmt"],
+                                                shape["act_fmt"], shape["bias"]),
 ))
 
 
@@ -747,6 +770,9 @@ LOGITS = register(KernelDef(
         ShapeKey("act_fmt", str, "bf16", "hidden states: BF16 or pre-quantised MX", choices=ACT_FMTS),
     ),
     build=_build_logits,
+    emit=_emit_logits_kernel,
+    tensors_of=lambda shape, spec: gemm_tensors(shape["tokens"], shape["vocab"], shape["hidden"],
+                                                shape["weight_fmt"], shape["act_fmt"], False),
 ))
 
 

@@ -25,7 +25,7 @@ from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 
-from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
@@ -106,7 +106,10 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
         cores = min(ctx.budget.cores, t)
         per = -(-t // cores)
         work = [(c, c * per, min(t, (c + 1) * per)) for c in range(cores) if c * per < t]
-    r, n_slots = _tiling(h, max(hi - lo for _, lo, hi in work), fused, spec, ctx.budget.sram_bytes)
+    rows_here = max(hi - lo for _, lo, hi in work)
+    # Outputs kept on chip live beside the tile buffers: plan the tiles in what they leave.
+    kept_bytes = rows_here * h * 2 * ((not y_out.in_hbm) + (fused and not h_out.in_hbm))
+    r, n_slots = _tiling(h, rows_here, fused, spec, ctx.budget.sram_bytes - kept_bytes)
     w_h = w.hbm_view(0, 0, 1, h)
     eps_h = eps_ref.hbm_view(0, 0, 1, 1) if eps_ref is not None else \
         ctx.const("eps", np.full((1, 1), eps, np.float32), "f32")
@@ -301,6 +304,24 @@ def build_rmsnorm(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     )
 
 
+def rmsnorm_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, ...]:
+    """The rmsnorm HBM tensors: x (+ residual), w; outputs y (+ h)."""
+    t, h, fused = shape["tokens"], shape["hidden"], shape["residual"]
+    specs = [TensorSpec("x", (t, h), "bf16", "input")]
+    if fused:
+        specs.append(TensorSpec("residual", (t, h), "bf16", "input"))
+    specs += [TensorSpec("w", (1, h), "bf16", "weight"), TensorSpec("y", (t, h), "bf16", "output")]
+    if fused:
+        specs.append(TensorSpec("h", (t, h), "bf16", "output"))
+    return tuple(specs)
+
+
+def _emit_rmsnorm_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                         outs: dict[str, Out]) -> Emitter:
+    return emit_rmsnorm(ctx, t["x"], t["w"], eps=shape["eps"], residual=t.get("residual"),
+                        y_out=outs.get("y"), h_out=outs.get("h"))
+
+
 RMSNORM = register(KernelDef(
     name="rmsnorm",
     doc=__doc__.strip().splitlines()[0],
@@ -311,4 +332,6 @@ RMSNORM = register(KernelDef(
         ShapeKey("residual", bool, True, "fuse the residual add (false: MLA's q_a/kv_a norms)"),
     ),
     build=build_rmsnorm,
+    emit=_emit_rmsnorm_kernel,
+    tensors_of=rmsnorm_tensors,
 ))

@@ -1,0 +1,138 @@
+"""Fused programs (kernels/compose.py): operators composed into one Program compute what the
+stand-alone launches compute, bit for bit, pass the checker, and reuse memory safely."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jalapeno_emu.chip import load_preset
+from jalapeno_emu.emu.check import check_program
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.errors import OutOfBounds, Race
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.kernels.compose import Arena, Composer
+from jalapeno_emu.kernels.emit import Out, TensorRef, run_emitter
+from jalapeno_emu.kernels.gemm import gemm_reference
+from jalapeno_emu.kernels.norm import emit_rmsnorm, rmsnorm_reference
+from jalapeno_emu.kernels.registry import get_kernel
+
+BF16 = ml_dtypes.bfloat16
+TINY = load_preset("tiny")
+
+
+def _norm_gemm_norm(t: int, h: int, n: int, placement: str, lookahead: int = 2):
+    """attn-norm -> gemm -> norm, the first norm's outputs placed per ``placement``."""
+    kb = KernelBuilder("fused", chip=TINY)
+    comp = Composer(kb, TINY, lookahead=lookahead)
+    for name, shape in (("x", (t, h)), ("res", (t, h))):
+        comp.value(name, TensorRef.hbm(name, kb.hbm(name, shape, "bf16")))
+    place = {"replicated": Out.replicated(range(TINY.core.count)), "onchip": Out.onchip()}[placement]
+    norm = get_kernel("rmsnorm")
+    comp.add_kernel("n1", "rmsnorm", norm.shape({"tokens": t, "hidden": h}),
+                    inputs={"x": "x", "residual": "res"}, outputs={"y": "y1", "h": "h1"},
+                    outs={"y": place, "h": place})
+    gemm = get_kernel("gemm")
+    comp.add_kernel("g", "gemm", gemm.shape({"m": t, "n": n, "k": h, "weight_fmt": "bf16", "act_fmt": "bf16",
+                                             "bias": True}),
+                    inputs={"x": "y1"}, outputs={"y": "g"}, outs={"y": Out.onchip()})
+    comp.add_kernel("n2", "rmsnorm", norm.shape({"tokens": t, "hidden": n, "residual": False}),
+                    inputs={"x": "g"}, outputs={"y": "out"})
+    comp.build()
+    return kb.build(), comp
+
+
+@pytest.mark.parametrize("placement", ["replicated", "onchip"])
+def test_fused_chain_is_bit_identical_to_the_launches(placement):
+    t, h, n = 6, 256, 512
+    prog, comp = _norm_gemm_norm(t, h, n, placement)
+    check_program(prog, TINY)  # no races, no deadlock, memory reuse ordered
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((t, h)).astype(BF16), "res": rng.standard_normal((t, h)).astype(BF16),
+            "n1/w": (1 + 0.1 * rng.standard_normal((1, h))).astype(BF16),
+            "g/w": (0.05 * rng.standard_normal((h, n))).astype(BF16),
+            "g/bias": rng.standard_normal((1, n)).astype(BF16),
+            "n2/w": (1 + 0.1 * rng.standard_normal((1, n))).astype(BF16)}
+    ops = {op.label: op for op in comp.ops}
+    assert ops["g"].hbm == {"w": "g/w", "bias": "g/bias"}  # what a functional run binds
+    got = run_functional(prog, {**data, **comp.ctx.consts}).read("n2/y", "bf16", (t, n))
+    y1, _ = rmsnorm_reference(data["x"], data["res"], data["n1/w"], 1e-5)
+    g = gemm_reference(np.asarray(y1), data["g/w"], data["g/bias"])
+    want, _ = rmsnorm_reference(g, None, data["n2/w"], 1e-5)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_fusion_beats_launches_and_respects_the_bound():
+    prog, _ = _norm_gemm_norm(8, 256, 512, "replicated")
+    fused = run_timing(prog, TINY)
+    launches = 0.0
+    for kernel, shape in (("rmsnorm", {"tokens": 8, "hidden": 256}),
+                          ("gemm", {"m": 8, "n": 512, "k": 256, "weight_fmt": "bf16", "act_fmt": "bf16",
+                                    "bias": True}),
+                          ("rmsnorm", {"tokens": 8, "hidden": 512, "residual": False})):
+        kd = get_kernel(kernel)
+        launches += run_timing(kd.build(kd.shape(shape), TINY).program, TINY).time_s
+    assert fused.time_s < launches  # one launch, no HBM round trips between the operators
+    assert fused.time_s >= fused.lower_bound_s()
+    # One launch cost for the whole program.
+    assert fused.launch_s == TINY.sync.kernel_launch_s
+
+
+def test_regions_reuse_memory_only_after_the_fence():
+    """Operators too big to sit side by side reuse each other's scratchpad: the program still
+    checks (the fences order the reuse), and allocations of different regions overlap. (The gemm
+    does not fit its stand-alone plan beside the norm's outputs kept on chip: it is re-planned.)"""
+    prog, comp = _norm_gemm_norm(32, 1024, 1024, "onchip", lookahead=0)
+    assert [op.replanned for op in comp.ops] == [False, True, False]
+    check_program(prog, TINY)
+    sram = [a for a in prog.allocations if a.space.value == "sram" and a.core == 0]
+    overlaps = [(a.name, b.name) for a in sram for b in sram
+                if a.scope != b.scope and a.offset < b.end and b.offset < a.end]
+    assert overlaps, "regions did not reuse each other's memory"
+    waits = [i for i in prog.instructions if i.mnemonic == "sem.wait" and i.source.endswith(":fence")]
+    assert waits, "reused memory without a fence"
+
+
+def test_unfenced_reuse_is_a_race_and_same_scope_overlap_is_refused():
+    kb = KernelBuilder("bad", chip=TINY)
+    x = kb.hbm("x", (8, 64), "f32")
+    c0 = kb.core(0)
+    with kb.region("a"):
+        a = kb.sram(0, "buf", (8, 64), "f32")
+        c0.dma[0].load(a, x)
+    arena = Arena(TINY)  # a fresh arena hands out offset 0 again, with no fence
+    with kb.region("b", arena=arena):
+        b = kb.sram(0, "buf", (8, 64), "f32")
+        c0.vpu.exp(b, b)
+    assert a.offset == b.offset
+    with pytest.raises(Race):
+        check_program(kb.build(), TINY)
+    kb2 = KernelBuilder("bad2", chip=TINY)
+    with kb2.region("a", arena=Arena(TINY)) as r:
+        kb2.sram(0, "p", (8, 64), "f32")
+        r.arena._free.clear()  # force the next allocation onto the same bytes
+        kb2.sram(0, "q", (8, 64), "f32")
+    with pytest.raises(OutOfBounds, match="overlap"):
+        check_program(kb2.build(), TINY)
+
+
+def test_standalone_emitter_and_build_agree():
+    """A stand-alone launch is its emitter with HBM tensors: same program as build()."""
+    kd = get_kernel("rmsnorm")
+    shape = kd.shape({"tokens": 4, "hidden": 128})
+    built = kd.build(shape, TINY).program
+    kb = KernelBuilder(built.name, chip=TINY)
+    from jalapeno_emu.kernels.emit import EmitCtx
+
+    ctx = EmitCtx.standalone(kb)
+    refs = {n: TensorRef.hbm(n, kb.hbm(n, (4, 128), "bf16")) for n in ("x", "residual")}
+    refs["w"] = TensorRef.hbm("w", kb.hbm("w", (1, 128), "bf16"))
+    eps = TensorRef.hbm("eps", ctx.const("eps", np.full((1, 1), 1e-5, np.float32), "f32"))
+    y, h = (TensorRef.hbm(n, kb.hbm(n, (4, 128), "bf16")) for n in ("y", "h"))
+    run_emitter(emit_rmsnorm(ctx, refs["x"], refs["w"], eps=1e-5, residual=refs["residual"], eps_ref=eps,
+                             y_out=Out.to(y), h_out=Out.to(h)))
+    again = kb.build()
+    assert [(i.mnemonic, str(i.engine), i.args) for i in again.instructions] == \
+        [(i.mnemonic, str(i.engine), i.args) for i in built.instructions]

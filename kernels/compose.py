@@ -213,6 +213,8 @@ class Composer:
         self.values: dict[str, TensorRef] = {}
         self.ops: list[FusedOp] = []
         self._producer: dict[str, int] = {}
+        self._views: dict[str, tuple[tuple[str, ...], Callable[..., TensorRef]]] = {}
+        self._reader_lists: dict[int, list[int]] | None = None
 
     def value(self, name: str, ref: TensorRef) -> None:
         """An external value (an HBM tensor the program starts with)."""
@@ -220,15 +222,42 @@ class Composer:
             raise DoesNotFit(f"value {name!r} defined twice")
         self.values[name] = ref
 
+    def view(self, name: str, of: str, r0: int, c0: int, rows: int, cols: int) -> None:
+        """A value that is region [r0:r0+rows, c0:c0+cols] of value ``of`` (the q, k and v columns
+        of a QKV projection), readable once ``of`` is produced."""
+        self.derive(name, (of,), lambda ref: ref.region(r0, c0, rows, cols, name=name))
+
+    def derive(self, name: str, of: tuple[str, ...], fn: Callable[..., TensorRef]) -> None:
+        """A value computed from the refs of values ``of`` by ``fn`` (a view or a join of them: no
+        instructions), readable once they are produced."""
+        if name in self.values or name in self._producer or name in self._views:
+            raise DoesNotFit(f"value {name!r} defined twice")
+        for src in of:
+            if src not in self.values and src not in self._producer and src not in self._views:
+                raise DoesNotFit(f"derived value {name!r}: value {src!r} is not defined before it")
+        self._views[name] = (tuple(of), fn)
+
+    def _resolve(self, name: str) -> TensorRef:
+        if name in self._views:
+            of, fn = self._views[name]
+            return fn(*(self._resolve(src) for src in of))
+        return self.values[name]
+
+    def _sources(self, name: str) -> set[str]:
+        """The produced (or external) values a name reads: itself, or what it is derived from."""
+        if name not in self._views:
+            return {name}
+        return set().union(*(self._sources(src) for src in self._views[name][0]))
+
     def add(self, label: str, emit: Callable[..., Emitter], inputs: Mapping[str, str] | None = None,
             outputs: Mapping[str, str] | None = None, *, kind: str = "") -> FusedOp:
         """Append an operator; its inputs must be external values or earlier operators' outputs."""
         op = FusedOp(label, emit, dict(inputs or {}), dict(outputs or {}), kind)
         for arg, name in op.inputs.items():
-            if name not in self.values and name not in self._producer:
+            if name not in self.values and name not in self._producer and name not in self._views:
                 raise DoesNotFit(f"operator {label!r}: input {arg}={name!r} is not produced before it")
         for name in op.outputs.values():
-            if name in self.values or name in self._producer:
+            if name in self.values or name in self._producer or name in self._views:
                 raise DoesNotFit(f"operator {label!r}: value {name!r} is produced twice")
             self._producer[name] = len(self.ops)
         self.ops.append(op)
@@ -312,7 +341,7 @@ class Composer:
         region = self.kb.region(op.label, arena=self.arena)
         try:
             with region:
-                inputs = {arg: self.values[name] for arg, name in op.inputs.items()}
+                inputs = {arg: self._resolve(name) for arg, name in op.inputs.items()}
                 gen = op.emit(self.ctx, **inputs)
                 try:
                     refs = next(gen)
@@ -360,8 +389,14 @@ class Composer:
         self._release_outputs(j)
 
     def _readers(self, j: int) -> list[int]:
-        names = set(self.ops[j].outputs.values())
-        return [k for k, op in enumerate(self.ops) if names & set(op.inputs.values())]
+        if self._reader_lists is None:  # producer -> the operators reading any of its outputs
+            lists: dict[int, list[int]] = {}
+            for k, op in enumerate(self.ops):
+                for p in sorted({self._producer[n] for name in op.inputs.values()
+                                 for n in self._sources(name) if n in self._producer}):
+                    lists.setdefault(p, []).append(k)
+            self._reader_lists = lists
+        return self._reader_lists.get(j, [])
 
     def _done_fence(self, k: int) -> frozenset[Ready]:
         done = self.ops[k].done
@@ -369,7 +404,8 @@ class Composer:
 
     def _release_outputs(self, closed: int) -> None:
         """Free the kept outputs of every producer whose readers are all done now."""
-        producers = {self._producer[n] for n in self.ops[closed].inputs.values() if n in self._producer}
+        sources = set().union(*(self._sources(n) for n in self.ops[closed].inputs.values()))
+        producers = {self._producer[n] for n in sources if n in self._producer}
         producers.add(closed)
         for p in sorted(producers):
             if self.ops[p].done is None:

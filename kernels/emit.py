@@ -60,7 +60,7 @@ from jalapeno_emu.isa.table import Space
 
 from .planning import Budget
 
-__all__ = ["EmitCtx", "Emitter", "Out", "Piece", "Ready", "TensorRef", "fetch", "run_emitter"]
+__all__ = ["EmitCtx", "Emitter", "Out", "Piece", "Ready", "TensorRef", "emit_store", "fetch", "run_emitter"]
 
 Ready = tuple[int, int]
 """(semaphore id, value): the condition an engine waits for before touching a region."""
@@ -164,6 +164,21 @@ class TensorRef:
                 raise InvalidArgumentError(f"on-chip tensor {name!r}: piece tile {p.tile.shape} is not "
                                            f"its region [{p.rows}, {p.cols}]")
         return TensorRef(name, shape, dtype, None, None, mx_axis, pieces)
+
+    @staticmethod
+    def hconcat(name: str, parts: Sequence[TensorRef]) -> TensorRef:
+        """On-chip tensors side by side along columns (same rows and dtype): their pieces,
+        re-based (MLA's [c_kv | k_pe] row from two producers)."""
+        if not parts or any(p.in_hbm for p in parts):
+            raise InvalidArgumentError(f"hconcat({name}): only on-chip tensors can be joined")
+        rows, dtype = parts[0].shape[0], parts[0].dtype
+        if any(p.shape[0] != rows or p.dtype != dtype or p.is_mx for p in parts):
+            raise InvalidArgumentError(f"hconcat({name}): parts must share rows and a non-MX dtype")
+        pieces, c0 = [], 0
+        for p in parts:
+            pieces += [replace(pc, c0=pc.c0 + c0) for pc in p.pieces]
+            c0 += p.shape[1]
+        return TensorRef.onchip(name, (rows, c0), dtype, pieces)
 
     def with_ready(self, r0: int, c0: int, rows: int, cols: int, ready: Ready) -> TensorRef:
         """This HBM tensor with region [r0:r0+rows, c0:c0+cols] ready only at ``ready`` (a writer
@@ -277,8 +292,8 @@ class TensorRef:
 
 
 def fetch(qs: EngineHandle | Sequence[EngineHandle], dst: Tile | MXTensor, src: TensorRef, r0: int = 0,
-          c0: int = 0, *, waited: dict[Any, set[Ready]] | None = None,
-          scales_first: bool = True) -> list[EngineHandle]:
+          c0: int = 0, *, waited: dict[Any, set[Ready]] | None = None, scales_first: bool = True,
+          after: Sequence[Ready] = ()) -> list[EngineHandle]:
     """Copy region [r0:r0+R, c0:c0+C] of ``src`` (R, C: ``dst``'s shape) into ``dst``.
 
     HBM: the first queue of ``qs`` waits for every ready condition the region overlaps, then one
@@ -286,8 +301,10 @@ def fetch(qs: EngineHandle | Sequence[EngineHandle], dst: Tile | MXTensor, src: 
     are dealt to the queues in turn (a queue keeps only ``dma.max_outstanding_per_queue``
     transfers in flight, each paying its set-up), each queue waiting for a piece's ready
     condition before its ``dma.copy``. Conditions in ``waited[engine]`` are not waited for again
-    (the dict is updated). The caller then signals on every queue returned: a DMA queue's
-    ``sem.signal`` lands once its transfers have.
+    (the dict is updated). ``after``: conditions every queue used waits for before its first
+    transfer (e.g. "the previous user of ``dst`` is done": a destination reused by copies spread
+    over several queues must be free on each of them). The caller then signals on every queue
+    returned: a DMA queue's ``sem.signal`` lands once its transfers have.
 
     Returns:
         The queues that issued transfers (in first-use order).
@@ -307,7 +324,7 @@ def fetch(qs: EngineHandle | Sequence[EngineHandle], dst: Tile | MXTensor, src: 
 
     if src.in_hbm:
         q = queues[0]
-        for r in src.waits(r0, c0, rows, cols):
+        for r in (*after, *src.waits(r0, c0, rows, cols)):
             wait(q, r)
         view = src.hbm_view(r0, c0, rows, cols)
         if mx:
@@ -321,6 +338,9 @@ def fetch(qs: EngineHandle | Sequence[EngineHandle], dst: Tile | MXTensor, src: 
     sources = src.sources(r0, c0, rows, cols, near=queues[0].engine.core)
     for n, (piece, a0, b0, nr, nc) in enumerate(sources):
         q = queues[n % len(queues)]
+        if q not in used:
+            for r in after:
+                q.wait(*r)  # each time: the destination is reused, whatever was waited for before
         wait(q, piece.ready)
         if mx:
             s_mx = MXTensor(piece.tile, piece.scales, src.mx_axis).sub(a0 - piece.r0, b0 - piece.c0, nr, nc)
@@ -413,3 +433,42 @@ def run_emitter(gen: Emitter) -> dict[str, TensorRef]:
     except StopIteration as stop:
         return stop.value if stop.value is not None else first
     raise InvalidArgumentError("an emitter must yield exactly once (after its prefetch part)")
+
+
+def emit_store(ctx: EmitCtx, src: TensorRef, out: Out) -> Emitter:
+    """Store an on-chip tensor into the HBM tensor ``out.ref`` (a fused layer's result, which the
+    next launch reads from HBM): each region once, by the core holding it (replicas skipped), on
+    that core's last DMA queue. Yields/returns ``{"y": ...}`` with each region ready when its
+    store has landed. An HBM ``src`` is returned as it is (nothing to move)."""
+    if src.in_hbm:
+        yield {"y": src}
+        return {"y": src}
+    if not out.in_hbm or out.ref.shape != src.shape:
+        raise InvalidArgumentError(f"emit_store: {src.name} {list(src.shape)} needs an HBM destination of "
+                                   "the same shape")
+    kb = ctx.kb
+    ref = out.ref
+    seen: set[tuple[int, int, int, int]] = set()
+    plan: list[tuple[Piece, Any]] = []
+    sems: dict[int, Any] = {}
+    count: dict[int, int] = {}
+    for p in src.pieces:
+        key = (p.r0, p.c0, p.rows, p.cols)
+        if key in seen:
+            continue
+        seen.add(key)
+        core = p.tile.core
+        if core not in sems:
+            sems[core], count[core] = kb.semaphore(f"c{core}.stored"), 0
+        count[core] += 1
+        plan.append((p, count[core]))
+        ref = ref.with_ready(p.r0, p.c0, p.rows, p.cols, (sems[core].id, count[core]))
+    outs = {"y": ref}
+    yield outs
+    for p, _ in plan:
+        q = kb.core(p.tile.core).dma[-1]
+        if p.ready is not None:
+            q.wait(*p.ready)
+        q.store(out.ref.hbm_view(p.r0, p.c0, p.rows, p.cols), p.tile)
+        q.signal(sems[p.tile.core])
+    return outs

@@ -172,18 +172,19 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
     for c, lo, hi, core, wt, eps_t, consts in plans:
         core.vpu.wait(consts, 1)
         pc = per_core[c]
-        q_load, q_store, v = core.dma[0], core.dma[1], core.vpu
+        q_store, v = core.dma[1], core.vpu
         tiles_n = -(-(hi - lo) // r)
         for i, r0 in enumerate(range(lo, hi, r)):
             n = min(r, hi - r0)
             sl = pc["slots"][i % n_slots]
             use = i // n_slots + 1  # how many times this slot has been used, this one included
             if i not in pc["tiles"]:
+                free: list = []
                 if use > 1 and not (keep_y and (keep_h or not fused)):
-                    q_load.wait(sl["stored"], use - 1)  # the slot's previous tile has been stored
+                    free = [(sl["stored"].id, use - 1)]  # the slot's previous tile has been stored
                 elif use > 1:
-                    q_load.wait(sl["done"], use - 1)  # the vector unit is done with the slot
-                _load_tile(kb, c, core, pc, i, r0, n, h, sources, keep_y, keep_h, kept)
+                    free = [(sl["done"].id, use - 1)]  # the vector unit is done with the slot
+                _load_tile(kb, c, core, pc, i, r0, n, h, sources, keep_y, keep_h, kept, free)
             tile, wait = pc["tiles"][i]
             for cond in wait:
                 v.wait(*cond)
@@ -214,9 +215,11 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
 
 
 def _load_tile(kb: KernelBuilder, c: int, core: Any, pc: dict[str, Any], i: int, r0: int, n: int, h: int,
-               sources: tuple, keep_y: bool, keep_h: bool, kept: dict[int, dict[str, Any]]) -> None:
+               sources: tuple, keep_y: bool, keep_h: bool, kept: dict[int, dict[str, Any]],
+               free: list | None = None) -> None:
     """Bring tile i's inputs (rows r0..r0+n) into its slot, or find them in place; records the
-    tile's buffers and what the vector unit must wait for in ``pc["tiles"][i]``."""
+    tile's buffers and what the vector unit must wait for in ``pc["tiles"][i]``. ``free``: the
+    conditions under which the slot is free again (every loading queue waits for them)."""
     n_slots = len(pc["slots"])
     sl = pc["slots"][i % n_slots]
     lo = kept[c].get("lo", 0)
@@ -232,7 +235,8 @@ def _load_tile(kb: KernelBuilder, c: int, core: Any, pc: dict[str, Any], i: int,
         here = src.local(c, r0, 0, n, h)
         if here is None:  # on-chip pieces elsewhere are spread over the queues
             qs = [core.dma[0]] if src.in_hbm else core.dma
-            used += [q for q in fetch(qs, tile[name], src, r0, 0, waited=waited) if q not in used]
+            used += [q for q in fetch(qs, tile[name], src, r0, 0, waited=waited, after=free or ())
+                     if q not in used]
         else:
             tile[name], ready = here
             if ready is not None and ready not in waited[vpu]:

@@ -1,0 +1,306 @@
+"""Fused layer and step programs: a model's launches composed into one persistent Program.
+
+Stage: model, on top of ``kernels/compose.py``. The operators are exactly the launches of the
+plan (``model.plan``: same kernels, same shapes, so the same arithmetic); what changes is how
+they are joined:
+
+- ``none``: every launch is its own Program (``model.timing`` sums them, each paying the
+  launch cost and its own first load and last store);
+- ``layer``: one Program per decoder layer (and one for the head, one for the tail), paying the
+  launch cost once; inside it operator boundaries are semaphore edges, activations stay on chip
+  and the next operators' weights stream while the current one computes; the layer's input
+  comes from HBM and its output goes back there;
+- ``step``: one Program for the whole step: embedding, every layer, final norm and logits,
+  with the next layer's weights streaming during the current one.
+
+**Where activations live.** In a decode step (few tokens) every activation stays on chip: a
+GEMM's output blocks stay in the scratchpad of the core that made them, the next operator
+copies what it needs scratchpad to scratchpad. The normalisations before a GEMM compute every
+row on every core (``Out.replicated``) when that is cheaper than an exchange (a few vector
+passes over ``tokens x hidden`` elements against one DMA set-up), so the GEMMs read their input
+in place; above that size the rows are split over the cores and the GEMMs fetch them. A prefill
+chunk's activations (MBs) go through HBM, each operator storing its output tile by tile and the
+next one loading each tile once it is ready.
+
+**Caches.** ``kv-append`` / ``mla-append`` write the new tokens into the layer's cache in HBM;
+the attention operator reads the cache through the append's output, waiting only for the bytes
+the append wrote (the rest of the context is prefetched while earlier operators run).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Program, Tile
+from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.kernels.compose import Composer
+from jalapeno_emu.kernels.emit import Out, TensorRef, emit_store
+
+from .config import ModelConfig
+from .plan import Launch, Step, head_launches, layer_launches, tail_launches
+
+__all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "check_fusion", "replicate_rows"]
+
+FUSION_LEVELS = ("none", "layer", "step")
+"""How launches are joined into Programs (see the module docstring)."""
+
+# Vector passes of an RMSNorm per element (add, square, reduce, two muls, ...): its cost per row.
+_NORM_PASSES = 8
+
+
+def check_fusion(fusion: str) -> str:
+    """``fusion`` if it is a fusion level; InvalidArgumentError naming the choices otherwise."""
+    if fusion not in FUSION_LEVELS:
+        raise InvalidArgumentError(f"fusion {fusion!r} is not one of {', '.join(FUSION_LEVELS)}")
+    return fusion
+
+
+def replicate_rows(tokens: int, hidden: int, spec: ChipSpec) -> bool:
+    """True when every core computing all ``tokens`` rows of a norm is cheaper than one exchange
+    (a DMA set-up): then the GEMMs after it read their input in place."""
+    vector_s = _NORM_PASSES * tokens * hidden / spec.vector.lanes / spec.core.clock_hz
+    return vector_s < spec.dma.setup_latency_s
+
+
+@dataclass
+class FusedBuild:
+    """A fused program and what it is made of.
+
+    Attributes:
+        program: the Program.
+        composer: the composer that built it (operators, values, constants).
+        step: what it computes; layers: the decoder layers in it, in order.
+        head, tail: it starts with the embedding / ends with final norm and logits.
+        ops: operator label -> (layer index: -1 head, ``cfg.layers`` tail; the plan's launch;
+            the launch's label in the plan).
+        layer_ops: layer index -> its operator labels, in order (-1: head, layers: tail).
+        externals: external value name -> its HBM allocation name (inputs the program reads:
+            token ids, x and residual of a layer program, zero residual of layer 0).
+        results: result name ("logits", or "x" and "residual" of a program without the tail)
+            -> its HBM allocation name.
+    """
+
+    program: Program
+    composer: Composer
+    step: Step
+    layers: tuple[int, ...]
+    head: bool
+    tail: bool
+    ops: dict[str, tuple[int, Launch]] = field(default_factory=dict)
+    layer_ops: dict[int, list[str]] = field(default_factory=dict)
+    externals: dict[str, str] = field(default_factory=dict)
+    results: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def consts(self) -> dict[str, Any]:
+        """HBM constants the emitters allocated (recorded name -> value)."""
+        return self.composer.ctx.consts
+
+
+class _Graph:
+    """Adds a model's launches to a composer, wiring each one's tensors to earlier outputs."""
+
+    def __init__(self, cfg: ModelConfig, step: Step, spec: ChipSpec, comp: Composer, fb: FusedBuild) -> None:
+        self.cfg, self.step, self.spec, self.comp, self.fb = cfg, step, spec, comp, fb
+        self.decode = step.phase == "decode"
+        t = step.tokens
+        if self.decode and replicate_rows(t, cfg.hidden, spec):
+            self.rep: Out | None = Out.replicated(range(spec.core.count))
+        else:
+            self.rep = Out.onchip() if self.decode else None
+        self.onchip = Out.onchip() if self.decode else None
+
+    def add(self, layer: int, launch: Launch, label: str, inputs: dict[str, str], outputs: dict[str, str],
+            outs: dict[str, Out | None] | None = None) -> str:
+        op = f"{'head' if layer < 0 else 'tail' if layer >= self.cfg.layers else f'L{layer}'}.{label}"
+        places = {k: v for k, v in (outs or {}).items() if v is not None}
+        self.comp.add_kernel(op, launch.kernel, launch.shape_dict, inputs=inputs,
+                             outputs={k: f"{op}:{v}" for k, v in outputs.items()}, outs=places)
+        self.fb.ops[op] = (layer, launch)
+        self.fb.layer_ops.setdefault(layer, []).append(op)
+        return op
+
+    def external(self, name: str, shape: tuple[int, int], dtype: str = "bf16") -> str:
+        kb = self.comp.kb
+        self.comp.value(name, TensorRef.hbm(name, kb.hbm(name, shape, dtype)))
+        self.fb.externals[name] = name
+        return name
+
+    # --- head and tail -----------------------------------------------------------------------
+    def head(self) -> str:
+        (emb,) = head_launches(self.cfg, self.step)
+        op = self.add(-1, emb, "embedding", {}, {"out": "x"}, {"out": self.onchip})
+        return f"{op}:x"
+
+    def tail(self, x: str, residual: str) -> str:
+        norm, logits = tail_launches(self.cfg, self.step)
+        if not self.decode and self.step.seq > 1:
+            x, residual = self._last_rows(x), self._last_rows(residual)
+        rows = self.step.batch
+        cores = range(self.spec.core.count)
+        rep = Out.replicated(cores) if replicate_rows(rows, self.cfg.hidden, self.spec) else Out.onchip()
+        n = self.add(self.cfg.layers, norm, "final_norm", {"x": x, "residual": residual},
+                     {"y": "y", "h": "h"}, {"y": rep, "h": rep})
+        op = self.add(self.cfg.layers, logits, "logits", {"x": f"{n}:y"}, {"y": "logits"})
+        self.fb.results["logits"] = f"{op}/y"
+        return f"{op}:logits"
+
+    def _last_rows(self, name: str) -> str:
+        """Each sequence's last prefill token: rows s-1, 2s-1, ... of an HBM activation."""
+        seq, b = self.step.seq, self.step.batch
+        out = f"{name}@last"
+
+        def rows(ref: TensorRef) -> TensorRef:
+            if not ref.in_hbm:
+                raise InvalidArgumentError("prefill activations are expected in HBM")
+            base = ref.base
+            tile = Tile(base.space, base.core, base.offset + (seq - 1) * base.stride, base.dtype, b,
+                        base.cols, base.stride * seq)
+            picked = TensorRef.hbm(out, tile)
+            for r in ref.waits():  # conservative: wait for whatever readiness the rows have
+                picked = picked.with_ready(0, 0, b, base.cols, r)
+            return picked
+
+        self.comp.derive(out, (name,), rows)
+        return out
+
+    # --- layers ------------------------------------------------------------------------------
+    def layer(self, i: int, x: str, residual: str) -> tuple[str, str]:
+        """Add decoder layer i reading ``x`` and ``residual``; returns its (output, residual)."""
+        cfg, t = self.cfg, self.step.tokens
+        la = {launch.label: launch for launch in layer_launches(cfg, i, self.step)}
+        n = self.add(i, la["attn_norm"], "attn_norm", {"x": x, "residual": residual}, {"y": "y", "h": "h"},
+                     {"y": self.rep, "h": self.rep})
+        attn = self._gqa(i, la, f"{n}:y") if cfg.attention == "gqa" else self._mla(i, la, f"{n}:y")
+        f = self.add(i, la["ffn_norm"], "ffn_norm", {"x": attn, "residual": f"{n}:h"}, {"y": "y", "h": "h"},
+                     {"y": self.rep, "h": self.rep})
+        ffn = "moe" if "moe" in la else "ffn"
+        m = self.add(i, la[ffn], ffn, {"x": f"{f}:y"}, {"y": "y"}, {"y": self.onchip})
+        del t
+        return f"{m}:y", f"{f}:h"
+
+    def _gqa(self, i: int, la: dict[str, Launch], y: str) -> str:
+        cfg, t = self.cfg, self.step.tokens
+        hq, hkv, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        qkv = self.add(i, la["qkv_proj"], "qkv_proj", {"x": y}, {"y": "qkv"}, {"y": self.onchip})
+        q, k, v = f"{qkv}:q", f"{qkv}:k", f"{qkv}:v"
+        self.comp.view(q, f"{qkv}:qkv", 0, 0, t, hq * d)
+        self.comp.view(k, f"{qkv}:qkv", 0, hq * d, t, hkv * d)
+        self.comp.view(v, f"{qkv}:qkv", 0, (hq + hkv) * d, t, hkv * d)
+        if self.decode:
+            app = self.add(i, la["kv_append"], "kv_append", {"k_new": k, "v_new": v},
+                           {"k_cache": "k_cache", "v_cache": "v_cache"})
+            att = self.add(i, la["attention"], "attention",
+                           {"q": q, "k_cache": f"{app}:k_cache", "v_cache": f"{app}:v_cache"},
+                           {"out": "out"}, {"out": self.onchip})
+        else:
+            att = self.add(i, la["attention"], "attention", {"q": q, "k": k, "v": v}, {"out": "out"})
+        o = self.add(i, la["o_proj"], "o_proj", {"x": f"{att}:out"}, {"y": "y"}, {"y": self.onchip})
+        return f"{o}:y"
+
+    def _mla(self, i: int, la: dict[str, Launch], y: str) -> str:
+        cfg, t = self.cfg, self.step.tokens
+        ql, r, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim
+        a = self.add(i, la["qkv_a_proj"], "qkv_a_proj", {"x": y}, {"y": "a"}, {"y": self.onchip})
+        width = (ql or cfg.q_heads * (cfg.qk_nope_dim + rope)) + r + rope
+        q_cols = width - r - rope
+        self.comp.view(f"{a}:c_kv", f"{a}:a", 0, q_cols, t, r)
+        self.comp.view(f"{a}:k_pe", f"{a}:a", 0, q_cols + r, t, rope)
+        if ql:
+            self.comp.view(f"{a}:q_a", f"{a}:a", 0, 0, t, ql)
+            qa = self.add(i, la["q_a_norm"], "q_a_norm", {"x": f"{a}:q_a"}, {"y": "y"}, {"y": self.rep})
+            qb = self.add(i, la["q_b_proj"], "q_b_proj", {"x": f"{qa}:y"}, {"y": "q"}, {"y": self.onchip})
+            q = f"{qb}:q"
+        else:
+            q = f"{a}:q"
+            self.comp.view(q, f"{a}:a", 0, 0, t, q_cols)
+        c = self.add(i, la["kv_a_norm"], "kv_a_norm", {"x": f"{a}:c_kv"}, {"y": "y"}, {"y": self.onchip})
+        kv_a = f"{a}:kv_a"
+        if self.decode:
+            self.comp.derive(kv_a, (f"{c}:y", f"{a}:k_pe"), lambda cr, kr: TensorRef.hconcat(kv_a, (cr, kr)))
+        else:
+            raise InvalidArgumentError("fused MLA prefill is not supported yet: run it with --fusion none")
+        app = self.add(i, la["mla_append"], "mla_append", {"q": q, "kv_a": kv_a},
+                       {"q_rot": "q_rot", "kv_cache": "kv_cache"}, {"q_rot": self.onchip})
+        att = self.add(i, la["attention"], "attention", {"q": f"{app}:q_rot", "kv_cache": f"{app}:kv_cache"},
+                       {"out": "out"}, {"out": self.onchip})
+        o = self.add(i, la["o_proj"], "o_proj", {"x": f"{att}:out"}, {"y": "y"}, {"y": self.onchip})
+        return f"{o}:y"
+
+
+def build_fused(cfg: ModelConfig, step: Step, spec: ChipSpec, *, layers: Iterable[int] | None = None,
+                head: bool | None = None, tail: bool | None = None, lookahead: int = 2,
+                name: str | None = None) -> FusedBuild:
+    """Compose ``layers`` of ``cfg`` (default: all), with the embedding before them (``head``) and
+    the final norm and logits after (``tail``), into one Program for ``step`` on ``spec``.
+
+    ``head`` defaults to "the layers start at 0", ``tail`` to "they end at the last layer". A
+    program without the head reads its input ``x`` and ``residual`` [tokens, hidden] from HBM;
+    without the tail it stores its output ``x`` and ``residual`` to HBM (what a ``layer`` fusion
+    launch does).
+
+    Raises:
+        InvalidArgumentError: a kernel of the plan has no emitter, or a shape a kernel refuses.
+        DoesNotFit: an operator does not fit beside the values live on chip.
+    """
+    idx = tuple(range(cfg.layers)) if layers is None else tuple(layers)
+    if not idx and head is None and tail is None:
+        head = tail = True
+    if not idx and not head and not tail:
+        raise InvalidArgumentError("a fused program needs at least one layer, the head or the tail")
+    for a, b in itertools.pairwise(idx):
+        if b != a + 1:
+            raise InvalidArgumentError(f"fused layers must be consecutive, got {list(idx)}")
+    if idx and not 0 <= idx[0] <= idx[-1] < cfg.layers:
+        raise InvalidArgumentError(f"layers {list(idx)} are outside 0..{cfg.layers - 1}")
+    head = (not idx or idx[0] == 0) if head is None else head
+    tail = (not idx or idx[-1] == cfg.layers - 1) if tail is None else tail
+    if head and idx and idx[0] != 0:
+        raise InvalidArgumentError("the head (embedding) can only precede layer 0")
+    if tail and idx and idx[-1] != cfg.layers - 1:
+        raise InvalidArgumentError("the tail (final norm, logits) can only follow the last layer")
+    label = name or f"{cfg.name}_{step.phase}_fused"
+    kb = KernelBuilder(label, chip=spec)
+    comp = Composer(kb, spec, lookahead=lookahead)
+    fb = FusedBuild(program=None, composer=comp, step=step, layers=idx, head=head, tail=tail)  # type: ignore[arg-type]
+    g = _Graph(cfg, step, spec, comp, fb)
+    t, h = step.tokens, cfg.hidden
+    if head:
+        x = g.head()
+        residual = g.external("residual0", (t, h))  # layer 0 adds a zero residual
+    else:
+        x, residual = g.external("x_in", (t, h)), g.external("residual_in", (t, h))
+    for i in idx:
+        x, residual = g.layer(i, x, residual)
+    if tail:
+        g.tail(x, residual)
+    else:
+        for src, out in ((x, "x_out"), (residual, "residual_out")):
+            dst = g.external(out, (t, h))
+            del fb.externals[out]
+            op = f"store.{out}"
+            comp.add(op, lambda ctx, src, dst: emit_store(ctx, src, Out.to(dst)), {"src": src, "dst": dst},
+                     {"y": f"{op}:y"}, kind="store")
+            fb.layer_ops.setdefault(idx[-1] if idx else -1, []).append(op)
+            fb.results["x" if out == "x_out" else "residual"] = out
+    comp.build()
+    fb.program = kb.build()
+    return fb
+
+
+def layer_windows(cfg: ModelConfig, kinds: Sequence[str]) -> tuple[int, int]:
+    """(warm-up layers, period) of the layer pattern ``kinds`` (one per layer): the layers after
+    the warm-up repeat with that period (gpt-oss: sliding/full alternate, period 2; DeepSeek:
+    3 dense layers, then MoE layers, period 1)."""
+    n = len(kinds)
+    for warm in range(n):
+        for period in (1, 2, 3, 4):
+            rest = kinds[warm:]
+            if all(rest[j] == rest[j % period] for j in range(len(rest))):
+                return warm, period
+    return n, 1

@@ -27,6 +27,7 @@ from jalapeno_emu.chip.spec import LinkSpec as LinkSpec
 from jalapeno_emu.chip.spec import MatrixUnitSpec as MatrixUnitSpec
 from jalapeno_emu.chip.spec import PowerSpec as PowerSpec
 from jalapeno_emu.chip.spec import Provenance as Provenance
+from jalapeno_emu.chip.spec import SoftwareSpec as SoftwareSpec
 from jalapeno_emu.chip.spec import SramSpec as SramSpec
 from jalapeno_emu.chip.spec import SyncSpec as SyncSpec
 from jalapeno_emu.chip.spec import VectorUnitSpec as VectorUnitSpec
@@ -48,6 +49,7 @@ __all__ = [
     "MatrixUnitSpec",
     "PowerSpec",
     "Provenance",
+    "SoftwareSpec",
     "SramSpec",
     "SyncSpec",
     "VectorUnitSpec",

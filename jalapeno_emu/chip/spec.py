@@ -41,6 +41,7 @@ __all__ = [
     "MatrixUnitSpec",
     "PowerSpec",
     "Provenance",
+    "SoftwareSpec",
     "SramSpec",
     "SyncSpec",
     "VectorUnitSpec",
@@ -85,6 +86,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "nonnegative": (lambda v: v >= 0, ">= 0"),
     "fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "power_of_two": (lambda v: v > 0 and v & (v - 1) == 0, "a positive power of two"),
+    "fusion_level": (lambda v: v in ("none", "layer", "step"), "one of none, layer, step"),
 }
 
 
@@ -335,6 +337,18 @@ class PowerSpec(_Block):
             self._fail("facility_w_per_chip", f">= power.tdp_w ({self.tdp_w})", self.facility_w_per_chip)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SoftwareSpec(_Block):
+    """The software the chip runs with, as far as it changes time on the die: how kernel launches
+    are joined into programs (``none``: one program per kernel launch, each paying
+    ``sync.kernel_launch_s``; ``layer``: one per decoder layer; ``step``: one persistent program
+    per forward step; see ``jalapeno_emu.model.fused``)."""
+
+    PATH: ClassVar[str] = "software"
+    fusion: str = _param("", "default fusion of kernel launches into programs: none, layer or step",
+                         "fusion_level")
+
+
 @dataclass(frozen=True)
 class FieldInfo:
     """The declaration of one leaf field, e.g. ``FIELDS["hbm.latency_s"]``.
@@ -374,7 +388,7 @@ class ChipSpec:
     Args:
         name: preset name, e.g. ``"jalapeno-v1"``.
         description: one line for humans.
-        core, matrix, vector, sram, dma, hbm, link, sync, power: the blocks.
+        core, matrix, vector, sram, dma, hbm, link, sync, power, software: the blocks.
         provenance: dotted leaf path (``"hbm.efficiency"``) -> :class:`Provenance`, for every leaf.
     """
 
@@ -389,6 +403,7 @@ class ChipSpec:
     link: LinkSpec
     sync: SyncSpec
     power: PowerSpec
+    software: SoftwareSpec
     provenance: Mapping[str, Provenance] = field(hash=False)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="uniform", choices=("uniform", "any"),
                    help="MoE expert slots: expected distinct experts under uniform routing "
                         "(default) or enough for any routing")
+    p.add_argument("--fusion", choices=("none", "layer", "step"), default=None,
+                   help="how launches join into programs: none (one per kernel), layer (one per "
+                        "layer), step (one persistent program per step); default: the preset's "
+                        "software.fusion (jalapeno-v1: step, GPU presets: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the launches here")
 
@@ -87,9 +91,10 @@ def _us(t: float) -> str:
     return f"{t * 1e6:,.1f}"
 
 
-def _kernel_table(title: str, rows: list[dict[str, Any]]) -> Table:
+def _kernel_table(title: str, rows: list[dict[str, Any]], *, fused: bool = False) -> Table:
     table = Table(title=title)
-    for col, just in (("launch", "left"), ("kernel", "left"), ("time µs", "right"), ("bound", "left"),
+    first, time = ("operator", "critical µs") if fused else ("launch", "time µs")
+    for col, just in ((first, "left"), ("kernel", "left"), (time, "right"), ("bound", "left"),
                       ("HBM MB", "right"), ("HBM util", "right"), ("MXU util", "right")):
         table.add_column(col, justify=just)
     for k in rows:
@@ -100,13 +105,19 @@ def _kernel_table(title: str, rows: list[dict[str, Any]]) -> Table:
 
 def run_layer(app: App, args: argparse.Namespace) -> int:
     """Time one layer for one step (prefill: every chunk, summed)."""
-    from jalapeno_emu.model.timing import sum_timings, time_layer, write_layer_trace
+    from jalapeno_emu.model.fused_timing import sum_groups
+    from jalapeno_emu.model.timing import resolve_fusion, sum_timings, time_layer, write_layer_trace
 
     cfg, spec, timer, steps = _setup(args)
-    app.status(f"{cfg.name} layer {args.layer} {args.phase} on {spec.name}")
-    timed = [time_layer(cfg, args.layer, s, timer=timer) for s in steps]
+    fusion = resolve_fusion(args.fusion, spec)
+    app.status(f"{cfg.name} layer {args.layer} {args.phase} on {spec.name} (fusion {fusion})")
+    timed = [time_layer(cfg, args.layer, s, timer=timer, fusion=fusion) for s in steps]
     kernels = [k for lt in timed for k in lt.kernels]
-    totals = sum_timings(kernels, spec)
+    if fusion == "none":
+        totals = sum_timings(kernels, spec)
+    else:
+        totals = timed[0].totals if len(timed) == 1 else \
+            sum_groups(timed, sum(lt.time_s for lt in timed), spec, fusion)
     doc = {"model": cfg.name, "preset": spec.name, "layer": args.layer, "kind": timed[0].kind,
            "phase": args.phase, "batch": args.batch,
            "context": steps[0].context if args.phase == "decode" else None,
@@ -114,41 +125,50 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
            "chunks": len(steps), **totals,
            "kernels": [dict(k.as_dict(), chunk=c) for c, lt in enumerate(timed) for k in lt.kernels]}
     if args.trace:
-        write_layer_trace(timed, args.trace)
+        if fusion == "none":
+            write_layer_trace(timed, args.trace)
+        else:  # the fused program's own timeline: one track per engine, every operator's instructions
+            timed[0].timelines[0].write_chrome_trace(args.trace)
     if app.json_output:
         app.emit_json("layer", doc)
         return 0
     what = (f"batch {args.batch}, context {doc['context']}" if args.phase == "decode"
             else f"batch {args.batch}, {doc['seq']} tokens in {len(steps)} chunk(s)")
-    app.console.print(_kernel_table(f"{cfg.name} layer {args.layer} ({doc['kind']}) {args.phase}, {what}, "
-                                    f"on {spec.name}", doc["kernels"]))
+    title = (f"{cfg.name} layer {args.layer} ({doc['kind']}) {args.phase}, {what}, on {spec.name}, "
+             f"fusion {fusion}")
+    app.console.print(_kernel_table(title, doc["kernels"], fused=fusion != "none"))
+    lower = totals["lower_bound_s"]
     app.console.print(f"layer: {_us(totals['time_s'])} µs, {totals['bound']}-bound, "
                       f"{totals['hbm_bytes'] / 1e6:,.1f} MB from HBM at "
                       f"{totals['hbm_utilization']:.1%} of peak "
                       f"bandwidth, {totals['flops'] / 1e9:,.2f} GFLOP at {totals['mxu_utilization']:.1%} of "
-                      "peak MXFP4")
+                      f"peak MXFP4; roofline {_us(lower)} µs ({totals['time_s'] / lower:.2f}x)")
     return 0
 
 
 def run_model(app: App, args: argparse.Namespace) -> int:
     """Time a whole step (prefill: every chunk)."""
-    from jalapeno_emu.model.timing import time_model, write_layer_trace
+    from jalapeno_emu.model.timing import resolve_fusion, time_model, write_layer_trace
 
     cfg, spec, timer, steps = _setup(args)
-    app.status(f"{cfg.name} {args.phase} step on {spec.name}")
-    reports = [time_model(cfg, s, timer=timer) for s in steps]
+    fusion = resolve_fusion(args.fusion, spec)
+    app.status(f"{cfg.name} {args.phase} step on {spec.name} (fusion {fusion})")
+    reports = [time_model(cfg, s, timer=timer, fusion=fusion) for s in steps]
     docs = [r.as_dict() for r in reports]
     last = docs[-1]
     doc = dict(last)
     if len(docs) > 1:
-        for key in ("time_s", "time_s_unconstrained", "hbm_bytes", "flops"):
+        for key in ("time_s", "time_s_unconstrained", "hbm_bytes", "flops", "lower_bound_s"):
             doc[key] = None if any(d[key] is None for d in docs) else sum(d[key] for d in docs)
         doc["seq"] = sum(d["seq"] for d in docs)
         doc["prior"] = 0
         doc["chunks"] = docs
     if args.trace:
-        groups = [lt for r in reports for lt in (r.head, *(g for _, g in r.groups), r.tail)]
-        write_layer_trace(groups, args.trace)
+        if fusion == "none":
+            groups = [lt for r in reports for lt in (r.head, *(g for _, g in r.groups), r.tail)]
+            write_layer_trace(groups, args.trace)
+        else:  # the first fused program timed (the whole step, or its first window)
+            reports[0].head.timelines[0].write_chrome_trace(args.trace)
     if app.json_output:
         app.emit_json("model", doc)
         return 0
@@ -178,9 +198,10 @@ def run_model(app: App, args: argparse.Namespace) -> int:
                           "unlimited HBM (the rack model maps it across chips)")
     t = doc["time_s_unconstrained"]
     tokens = args.batch * (1 if args.phase == "decode" else doc["seq"])
-    app.console.print(f"step: {t * 1e3:,.3f} ms ({doc['bound']}-bound), {tokens / t:,.0f} tok/s, "
-                      f"HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; "
-                      f"{last['distinct_launches']} distinct launches timed")
+    app.console.print(f"step: {t * 1e3:,.3f} ms ({doc['bound']}-bound, fusion {fusion}), "
+                      f"{tokens / t:,.0f} tok/s, HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; roofline "
+                      f"{doc['lower_bound_s'] * 1e3:,.3f} ms ({t / doc['lower_bound_s']:.2f}x); "
+                      f"{last['distinct_launches']} distinct programs timed")
     return 0
 
 

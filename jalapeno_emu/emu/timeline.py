@@ -138,15 +138,17 @@ class Timeline:
 
     # --- bounds ---------------------------------------------------------------------------
     def lower_bound_s(self) -> float:
-        """max(HBM bytes / peak HBM B/s, sum over formats of FLOPs / peak FLOP/s of that format), s.
+        """max(HBM bytes / achievable HBM B/s, sum over formats of FLOPs / peak FLOP/s of that
+        format), s: the roofline of this program's work.
 
-        No schedule on this chip can beat it: every pseudo-channel serves at most its peak and
-        every matrix unit at most its peak rate.
+        No schedule on this chip can beat it: every pseudo-channel serves at most its achievable
+        rate (peak x ``hbm.efficiency``: refresh and turnarounds are not schedulable away) and
+        every matrix unit at most its peak rate for the operand format.
         """
         d = self.spec.derived()
         flops = self.flops_by_format()
         compute = sum(flops[f] / d[f"peak_{f}_flops_per_s"] for f in FORMATS)
-        return max(self.hbm_bytes / d["hbm_bytes_per_s"], compute)
+        return max(self.hbm_bytes / d["hbm_achievable_bytes_per_s"], compute)
 
     def memory_bound_s(self) -> float:
         """Busiest pseudo-channel at its achievable rate, or busiest core DMA port, s."""

@@ -79,15 +79,22 @@ class DieModel:
         batch: sequences; all advance together (same length).
         max_positions: the longest sequence the run may reach (prompt plus generated tokens).
         preset: the chip.
+        fusion: "none" (every launch its own program, as timed by default) or "step" (each step
+            one fused program, ``model.fused``; bit-identical results).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
-                 preset: str | ChipSpec = "jalapeno-v1") -> None:
+                 preset: str | ChipSpec = "jalapeno-v1", fusion: str = "none") -> None:
         if batch < 1 or max_positions < 1:
             raise InvalidArgumentError(f"batch {batch} and max_positions {max_positions} must be >= 1")
         self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
         self.spec = load_preset(preset) if isinstance(preset, str) else preset
+        if fusion not in ("none", "step"):
+            raise InvalidArgumentError(f"fusion {fusion!r}: functional runs take none (launch by launch) or "
+                                       "step (one fused program per step)")
+        self.fusion = fusion
         self.timer = StepTimer(self.spec)
+        self._fused = None
         self.length = 0
         self._builds: dict[tuple[str, tuple], _Prepared] = {}
         if cfg.attention == "gqa":
@@ -156,6 +163,8 @@ class DieModel:
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
         cfg = self.cfg
+        if self.fusion == "step":
+            return self._forward_fused(step, ids, t0)
         (embed,) = head_launches(cfg, step)
         x = self.run(embed, {"table": self.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)})["out"]
         residual = np.zeros_like(x)
@@ -177,3 +186,24 @@ class DieModel:
         totals = sum_timings([k for lt in timing for k in lt.kernels], self.spec)
         return StepResult(logits=np.asarray(logits, np.float32), step=step, timing=timing, totals=totals,
                           wall_s=wall)
+
+    def _forward_fused(self, step: Step, ids: np.ndarray, t0: float) -> StepResult:
+        """One step as one fused program (``model.fused``): same kernels and arithmetic, the
+        activations on chip; timed by the timing pass over that program."""
+        from jalapeno_emu.emu.timing import run_timing
+
+        from .fused_die import FusedStep
+        from .fused_timing import _stretches, sum_groups
+
+        if self._fused is None:
+            self._fused = FusedStep(self)
+        logits = self._fused.run(step, ids)
+        wall = time.perf_counter() - t0
+        self.length += ids.shape[1]
+        fb = self._fused.build(step)
+        tl = run_timing(fb.program, self.spec)
+        layers = range(self.cfg.layers)
+        per_layer, head, tail = _stretches(self.cfg, fb, tl, layers, self.spec, with_tail=True)
+        timing = (head, *(per_layer[i] for i in range(self.cfg.layers)), tail)
+        totals = sum_groups(timing, tl.time_s, self.spec, "step")
+        return StepResult(logits=logits, step=step, timing=timing, totals=totals, wall_s=wall)

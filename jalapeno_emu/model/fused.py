@@ -30,7 +30,7 @@ the append wrote (the rest of the context is prefetched while earlier operators 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from jalapeno_emu.kernels.emit import Out, TensorRef, emit_store
 from .config import ModelConfig
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 
-__all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "check_fusion", "replicate_rows"]
+__all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "check_fusion", "layer_windows", "replicate_rows"]
 
 FUSION_LEVELS = ("none", "layer", "step")
 """How launches are joined into Programs (see the module docstring)."""
@@ -293,10 +293,10 @@ def build_fused(cfg: ModelConfig, step: Step, spec: ChipSpec, *, layers: Iterabl
     return fb
 
 
-def layer_windows(cfg: ModelConfig, kinds: Sequence[str]) -> tuple[int, int]:
-    """(warm-up layers, period) of the layer pattern ``kinds`` (one per layer): the layers after
-    the warm-up repeat with that period (gpt-oss: sliding/full alternate, period 2; DeepSeek:
-    3 dense layers, then MoE layers, period 1)."""
+def layer_windows(kinds: Sequence[Hashable]) -> tuple[int, int]:
+    """(warm-up layers, period) of the layer pattern ``kinds`` (one per layer, e.g. each layer's
+    launch plan): the layers after the warm-up repeat with that period (gpt-oss: sliding/full
+    alternate, period 2; DeepSeek: 3 dense layers, then MoE layers, period 1)."""
     n = len(kinds)
     for warm in range(n):
         for period in (1, 2, 3, 4):

@@ -27,9 +27,8 @@ from .config import ModelConfig
 from .footprint import Footprint, footprint
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 
-__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "gc_paused", "sum_timings",
-           "time_layer", "time_model",
-           "write_layer_trace"]
+__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "gc_paused", "resolve_fusion",
+           "sum_timings", "time_layer", "time_model", "write_layer_trace"]
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
@@ -59,8 +58,14 @@ class KernelTiming:
         flops: matrix-unit FLOPs. hbm_utilization: achieved over peak HBM bandwidth;
         hbm_utilization_of_achievable: over peak times the streaming efficiency.
         mxu_utilization: achieved over peak MXFP4 FLOP/s. bound: hbm / compute / vector /
-        latency (what the timeline says limits it). lower_bound_s: max of the bytes and FLOPs
-        bounds. instructions: the Program's length.
+        latency (what the timeline says limits it). lower_bound_s: max of the bytes (at the
+        achievable HBM rate) and FLOPs (at peak) bounds. instructions: the Program's length.
+        flops_by_format: FLOPs per matrix-unit rate.
+
+    In a fused program (``model.fused_timing``) an entry is a *phase*: ``time_s`` is its share of
+    the layer's critical path, utilisations are over ``span_s``, ``by_cause_s`` splits its
+    critical seconds (hbm, compute, latency, synchronisation), ``bound`` is the largest of them
+    (``overlapped``: none on the critical path).
     """
 
     label: str
@@ -75,23 +80,37 @@ class KernelTiming:
     bound: str
     lower_bound_s: float
     instructions: int
+    flops_by_format: dict[str, float] | None = None
+    span_s: float | None = None
+    by_cause_s: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON form (the ``kernels`` entries of ``layer --json``)."""
-        return {"label": self.label, "kernel": self.kernel, "shape": self.shape,
-                **{k: getattr(self, k) for k in _FIELDS}}
+        """JSON form (the ``kernels`` entries of ``layer --json``); a phase of a fused program also
+        has ``span_s`` (first start to last end of its instructions) and ``time_by_cause_s``."""
+        out = {"label": self.label, "kernel": self.kernel, "shape": self.shape,
+               **{k: getattr(self, k) for k in _FIELDS}}
+        if self.span_s is not None:
+            out["span_s"] = self.span_s
+            out["time_by_cause_s"] = dict(self.by_cause_s or {})
+        return out
 
 
 def sum_timings(kernels: Sequence[KernelTiming], spec: ChipSpec) -> dict[str, Any]:
-    """Sums over launches run back to back, utilisations over the total time, and the bound: the
-    one whose kernels take the largest share of the time."""
+    """Sums over launches run back to back, utilisations over the total time, the bound (the one
+    whose kernels take the largest share of the time), the roofline of the work
+    (``lower_bound_s``: bytes at the achievable HBM rate or FLOPs at peak, whichever is larger)
+    and the launch cost paid (once per launch)."""
     t = sum(k.time_s for k in kernels)
     hbm = sum(k.hbm_bytes for k in kernels)
     flops = sum(k.flops for k in kernels)
     d = spec.derived()
     by_bound: dict[str, float] = {}
+    fmt: dict[str, float] = {}
     for k in kernels:
         by_bound[k.bound] = by_bound.get(k.bound, 0.0) + k.time_s
+        for f, v in (k.flops_by_format or {}).items():
+            fmt[f] = fmt.get(f, 0.0) + v
+    compute = sum(v / d[f"peak_{f}_flops_per_s"] for f, v in fmt.items())
     return {
         "time_s": t, "hbm_bytes": hbm, "flops": flops,
         "hbm_utilization": hbm / t / d["hbm_bytes_per_s"] if t else 0.0,
@@ -99,6 +118,9 @@ def sum_timings(kernels: Sequence[KernelTiming], spec: ChipSpec) -> dict[str, An
         "mxu_utilization": flops / t / d["peak_mxfp4_flops_per_s"] if t else 0.0,
         "bound": max(by_bound, key=by_bound.get) if by_bound else "latency",
         "time_by_bound_s": by_bound,
+        "lower_bound_s": max(hbm / d["hbm_achievable_bytes_per_s"], compute),
+        "flops_by_format": fmt, "fusion": "none",
+        "launch_s": spec.sync.kernel_launch_s * len(kernels),
     }
 
 
@@ -167,7 +189,7 @@ class StepTimer:
             self._cache[key] = hit
         s, timeline = hit
         return KernelTiming(label=launch.label, kernel=launch.kernel, shape=launch.shape_dict,
-                            **{k: s[k] for k in _FIELDS}), timeline
+                            **{k: s[k] for k in _FIELDS}, flops_by_format=s["flops_by_format"]), timeline
 
     def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str) -> LayerTiming:
         """Time launches run back to back as one group."""
@@ -187,14 +209,31 @@ def layer_kind(cfg: ModelConfig, layer: int) -> str:
     return f"{attn} {'moe' if cfg.is_moe(layer) else 'dense'}"
 
 
+def resolve_fusion(fusion: str | None, spec: ChipSpec) -> str:
+    """``fusion``, or the preset's default (``software.fusion``) when None; checked."""
+    from .fused import check_fusion
+
+    return check_fusion(spec.software.fusion if fusion is None else fusion)
+
+
 def time_layer(cfg: ModelConfig, layer: int, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
-               timer: StepTimer | None = None) -> LayerTiming:
+               timer: StepTimer | None = None, fusion: str | None = None) -> LayerTiming:
     """Time decoder layer ``layer`` of ``cfg`` for ``step`` on ``spec`` (timing-only).
 
+    Args:
+        fusion: "none" (its launches back to back), "layer" (one fused program for the layer)
+            or "step" (its stretch of a step-fused program); None: the preset's default
+            (``software.fusion``). See ``model.fused``.
+
     Returns:
-        LayerTiming with per-launch figures and totals.
+        LayerTiming with per-launch (or per-phase) figures and totals (``lower_bound_s``, ``fusion``).
     """
     timer = timer or StepTimer(spec)
+    fusion = resolve_fusion(fusion, timer.spec)
+    if fusion != "none":
+        from .fused_timing import fused_layer_timing
+
+        return fused_layer_timing(cfg, layer, step, timer.spec, fusion)
     return timer.time_launches(layer_launches(cfg, layer, step), layer=layer, kind=layer_kind(cfg, layer))
 
 
@@ -232,6 +271,7 @@ class ModelTiming:
             totals["time_s"] = None
         return {
             "model": self.model, "preset": self.preset, "phase": self.step.phase, "batch": self.step.batch,
+            "fusion": totals.get("fusion", "none"),
             "context": self.step.context if self.step.phase == "decode" else None,
             "seq": self.step.seq if self.step.phase == "prefill" else None,
             "prior": self.step.prior if self.step.phase == "prefill" else None,
@@ -244,13 +284,20 @@ class ModelTiming:
 
 
 def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
-               timer: StepTimer | None = None) -> ModelTiming:
+               timer: StepTimer | None = None, fusion: str | None = None) -> ModelTiming:
     """Time one whole step of ``cfg`` (timing-only): embedding, all layers, final norm, logits.
 
-    Layers with identical launch plans are timed once; the footprint says whether weights and the
-    KV cache (``step.batch`` sequences of ``step.positions`` tokens) fit the die's HBM.
+    With ``fusion`` "none", layers with identical launch plans are timed once and the step is the
+    sum of its launches; "layer" and "step" time fused programs (``model.fused_timing``); None:
+    the preset's default. The footprint says whether weights and the KV cache (``step.batch``
+    sequences of ``step.positions`` tokens) fit the die's HBM.
     """
     timer = timer or StepTimer(spec)
+    fusion = resolve_fusion(fusion, timer.spec)
+    if fusion != "none":
+        from .fused_timing import fused_model_timing
+
+        return fused_model_timing(cfg, step, timer.spec, fusion)
     plans: dict[tuple[Launch, ...], list[int]] = {}
     for layer in range(cfg.layers):
         plans.setdefault(layer_launches(cfg, layer, step), []).append(layer)

@@ -80,7 +80,9 @@ def test_efficiency_knobs_are_assumed_and_marked_for_calibration(gpu):
     _, spec = gpu
     for path in CALIBRATION_KNOBS:
         prov = spec.provenance[path]
-        assert prov.kind == "assumed" and "calibration knob" in prov.note, path
+        # The NVIDIA launch cost is public (CUDA graphs on an H100) and still a calibration knob.
+        assert "calibration knob" in prov.note, path
+        assert prov.kind == "assumed" or (path == "sync.kernel_launch_s" and prov.kind == "public"), path
     assert spec.power.sustained_w < spec.power.tdp_w < spec.power.facility_w_per_chip
 
 

@@ -18,7 +18,7 @@ def timer():
 
 def test_gpt_oss_120b_decode_layer_is_bounded_below_by_its_bytes(timer):
     cfg = load_model_config("gpt-oss-120b")
-    lt = time_layer(cfg, 1, Step("decode", batch=1, context=8192), timer=timer)
+    lt = time_layer(cfg, 1, Step("decode", batch=1, context=8192), timer=timer, fusion="none")
     labels = [k.label for k in lt.kernels]
     assert labels == ["attn_norm", "qkv_proj", "kv_append", "attention", "o_proj", "ffn_norm", "moe"]
     w = layer_weight_bytes(cfg, 1)
@@ -36,7 +36,7 @@ def test_longer_context_costs_more_attention_time_on_full_layers_only(timer):
     cfg = load_model_config("gpt-oss-120b")
 
     def attention_s(layer, ctx):
-        lt = time_layer(cfg, layer, Step("decode", batch=8, context=ctx), timer=timer)
+        lt = time_layer(cfg, layer, Step("decode", batch=8, context=ctx), timer=timer, fusion="none")
         return next(k for k in lt.kernels if k.label == "attention").time_s
 
     assert attention_s(1, 8192) > 1.5 * attention_s(1, 2048)
@@ -45,7 +45,7 @@ def test_longer_context_costs_more_attention_time_on_full_layers_only(timer):
 
 def test_model_step_reuses_identical_layers_and_adds_up(timer):
     cfg = load_model_config("gpt-oss-20b")
-    rep = time_model(cfg, Step("decode", batch=4, context=4096), timer=timer)
+    rep = time_model(cfg, Step("decode", batch=4, context=4096), timer=timer, fusion="none")
     assert [len(idx) for idx, _ in rep.groups] == [12, 12]
     total = rep.head.time_s + rep.tail.time_s + sum(len(idx) * lt.time_s for idx, lt in rep.groups)
     assert rep.totals["time_s"] == pytest.approx(total)
@@ -57,7 +57,7 @@ def test_model_step_reuses_identical_layers_and_adds_up(timer):
 
 def test_a_model_that_does_not_fit_has_no_step_time_but_the_numbers(timer):
     cfg = load_model_config("deepseek-r1")
-    rep = time_model(cfg, Step("decode", batch=1, context=1024), timer=timer)
+    rep = time_model(cfg, Step("decode", batch=1, context=1024), timer=timer, fusion="none")
     doc = rep.as_dict()
     assert doc["fits_one_die"] is False and doc["time_s"] is None and doc["time_s_unconstrained"] > 0
     fp = footprint(cfg, SPEC, batch=1, tokens=1024)
@@ -68,7 +68,7 @@ def test_a_model_that_does_not_fit_has_no_step_time_but_the_numbers(timer):
 
 def test_layer_trace_has_one_slice_per_launch(tmp_path, timer):
     cfg = load_model_config("tiny-gpt-oss")
-    lt = time_layer(cfg, 0, Step("decode", batch=2, context=40), timer=timer)
+    lt = time_layer(cfg, 0, Step("decode", batch=2, context=40), timer=timer, fusion="none")
     path = tmp_path / "layer.json"
     write_layer_trace([lt], path)
     events = json.loads(path.read_text())["traceEvents"]

@@ -36,7 +36,7 @@ def test_calibration_finds_the_known_setting_and_reports_every_row(monkeypatch):
     assert nv["mape_before"] == pytest.approx(0.2)  # 0.9 / 0.75 - 1 on every metric
     assert nv["mape_after"] == pytest.approx(0.0) and nv["loo_mape"] == pytest.approx(0.0)
     assert nv["knobs"]["b200"]["hbm.efficiency"] == 0.75
-    assert nv["knobs"]["h100"]["sync.kernel_launch_s"] == pytest.approx(3e-6)
+    assert nv["knobs"]["h100"]["sync.kernel_launch_s"] == pytest.approx(1.3e-6)
     assert s["mape_fit"]["rows"] == 5 and s["mape_fit"]["after"] == pytest.approx(0.0)
     assert s["classes"] == {"fit": 5, "predicted-only": 1, "not-predicted": 1}
     po = s["mape_predicted_only"]

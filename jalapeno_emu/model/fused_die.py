@@ -1,0 +1,158 @@
+"""A step of a (tiny) model run functionally as one fused program: the data every operator needs.
+
+Stage: model, beside ``bindings.py`` (which feeds the same kernels launch by launch). A fused
+step's HBM holds, per operator, the tensors its launch would have had (``op/name``: weights in
+the kernel's layout, the layer's KV cache, RoPE tables, the token ids), minus the activations,
+which pass on chip; this module lays those out from the model's natural weights and cache, runs
+the program, and reads back the logits and the cache rows the appends wrote. Layouts are the
+ones ``bindings.py`` uses (shared helpers), so a fused step does the arithmetic of the launches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.errors import InvalidArgumentError
+
+from .bindings import _BF16, _k_cache_layout, _v_cache_layout
+from .fused import FusedBuild, build_fused
+from .plan import Step
+
+if TYPE_CHECKING:
+    from .die import DieModel
+
+__all__ = ["FusedStep"]
+
+
+class FusedStep:
+    """Builds (once per step shape) and runs a fused step on a :class:`DieModel`."""
+
+    def __init__(self, die: DieModel) -> None:
+        self.die = die
+        self._builds: dict[Step, FusedBuild] = {}
+
+    def build(self, step: Step) -> FusedBuild:
+        """The fused program of ``step`` (cached by the step's shape)."""
+        fb = self._builds.get(step)
+        if fb is None:
+            cfg = self.die.cfg
+            fb = build_fused(cfg, step, self.die.spec, name=f"{cfg.name}_{step.phase}_fused")
+            self._builds[step] = fb
+        return fb
+
+    def run(self, step: Step, ids: np.ndarray) -> np.ndarray:
+        """Run ``step`` on token ids [batch, S]; returns the logits (bf16 values) [batch, vocab]
+        and updates the die's KV cache with the step's tokens."""
+        cfg = self.die.cfg
+        fb = self.build(step)
+        replanned = [o.label for o in fb.composer.ops if o.replanned]
+        if replanned:  # its layout (packed weights, tiling) is not the stand-alone launch's
+            raise InvalidArgumentError(f"fused step of {cfg.name}: operators {replanned} did not fit beside "
+                                       "the values live on chip and were re-planned; run it unfused")
+        data: dict[str, Any] = dict(fb.consts)
+        data["residual0"] = np.zeros((step.tokens, cfg.hidden), _BF16)
+        ops = {o.label: o for o in fb.composer.ops}
+        shapes = dict(dict(fb.program.meta)["tensors"])
+        for op, (layer, launch) in fb.ops.items():
+            hbm = ops[op].hbm
+            for name, value in self._op_data(step, layer, launch, ids, hbm, shapes).items():
+                if name in hbm and value is not None:
+                    data[hbm[name]] = value
+        result = run_functional(fb.program, data)
+        self._read_caches(fb, step, result)
+        return np.asarray(result.read(fb.results["logits"], "bf16", (step.batch, cfg.vocab)), np.float32)
+
+    # --- per-operator data -----------------------------------------------------------------
+    def _op_data(self, step: Step, layer: int, launch: Any, ids: np.ndarray, hbm: dict[str, str],
+                 shapes: dict[str, Any]) -> dict[str, Any]:
+        die, cfg = self.die, self.die.cfg
+        label = launch.label
+        if layer < 0:
+            return {"table": die.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)}
+        if layer >= cfg.layers:
+            return {"w": die.w.final_norm[None, :]} if label == "final_norm" else {"w": die.w.unembed}
+        lw, pk = die.w.layers[layer], die.packed[layer]
+        if label in ("attn_norm", "ffn_norm", "q_a_norm", "kv_a_norm"):
+            return {"w": pk[label]}
+        if label == "qkv_proj":
+            return {"w": lw.wqkv, "bias": pk.get("bqkv")}
+        if label == "o_proj":
+            return {"w": lw.wo, "bias": pk.get("bo")}
+        if label == "qkv_a_proj":
+            return {"w": lw.wqkv_a}
+        if label == "q_b_proj":
+            return {"w": lw.wq_b}
+        if label in ("moe", "ffn"):
+            from .moe_binding import moe_inputs
+
+            got = moe_inputs(die, layer, launch, None)
+            got.pop("x", None)
+            return got
+        if label == "kv_append":
+            return self._kv_append(step, layer, shapes[hbm["k_cache"]][1][1])
+        if label == "mla_append":
+            return self._mla_append(step, layer, launch)
+        if label == "attention":
+            if cfg.attention == "mla":
+                return {"w_kv_b": lw.w_kv_b}
+            ctx = step.positions
+            out = {"rope_cos": die.cos[:ctx], "rope_sin": die.sin[:ctx]}
+            if cfg.sinks:
+                out["sinks"] = pk["sinks"]
+            return out
+        raise InvalidArgumentError(f"fused step: no data binding for operator {label!r}")
+
+    def _kv_append(self, step: Step, i: int, width: int) -> dict[str, Any]:
+        """The append's inputs: this position's RoPE row and the cache of the earlier tokens, in
+        attention-decode's layout (K^T rows ``width`` wide)."""
+        die = self.die
+        ctx = step.context
+        cap = -(-ctx // 32) * 32
+        pos = slice(ctx - 1, ctx)
+        return {"rope_cos": die.cos[pos], "rope_sin": die.sin[pos],
+                "k_cache": _k_cache_layout(die.k_cache[i][:, :, :ctx - 1], cap, width),
+                "v_cache": _v_cache_layout(die.v_cache[i][:, :, :ctx - 1], cap)}
+
+    def _mla_append(self, step: Step, i: int, launch: Any) -> dict[str, Any]:
+        die, cfg = self.die, self.die.cfg
+        b, new, ctx = step.batch, step.tokens // step.batch, step.positions
+        r, rope = cfg.kv_lora_rank, cfg.qk_rope_dim
+        from jalapeno_emu.kernels.mla import latent_cache_capacity
+
+        cap = latent_cache_capacity(ctx, launch.shape_dict.get("capacity", 0))
+        lat = np.zeros((b, cap, r + rope), _BF16)
+        lat[:, :ctx - new] = die.latent[i][:, :ctx - new]
+        pos = slice(ctx - new, ctx)
+        return {"rope_cos": die.cos[pos], "rope_sin": die.sin[pos],
+                "kv_cache": lat.reshape(b * cap, r + rope)}
+
+    def _read_caches(self, fb: FusedBuild, step: Step, result: Any) -> None:
+        """Copy the tokens the appends wrote back into the die's natural cache."""
+        die, cfg = self.die, self.die.cfg
+        ops = {o.label: o for o in fb.composer.ops}
+        b, ctx = step.batch, step.positions
+        new = step.tokens // step.batch
+        for i in fb.layers:
+            if cfg.attention == "gqa":
+                app = ops.get(f"L{i}.kv_append")
+                if app is None:
+                    continue
+                hkv, d = cfg.kv_heads, cfg.head_dim
+                k_name, v_name = app.hbm["k_cache"], app.hbm["v_cache"]
+                shapes = dict(dict(fb.program.meta)["tensors"])
+                kc = result.read(k_name, "bf16", shapes[k_name][1])
+                vc = result.read(v_name, "bf16", shapes[v_name][1])
+                cap = vc.shape[0] // (b * hkv)
+                kt = np.asarray(kc).reshape(b, hkv, d, -1)
+                die.k_cache[i][:, :, ctx - 1] = kt[..., ctx - 1]
+                die.v_cache[i][:, :, ctx - 1] = np.asarray(vc).reshape(b, hkv, cap, d)[:, :, ctx - 1]
+            else:
+                app = ops[f"L{i}.mla_append"]
+                name = app.hbm["kv_cache"]
+                shape = dict(dict(fb.program.meta)["tensors"])[name][1]
+                cache = np.asarray(result.read(name, "bf16", shape))
+                cap = shape[0] // b
+                die.latent[i][:, ctx - new:ctx] = cache.reshape(b, cap, -1)[:, ctx - new:ctx]

@@ -46,6 +46,13 @@ def _workload(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-cache", action="store_true", help="do not read or write the kernel-timing disk cache"
     )
+    p.add_argument(
+        "--fusion",
+        choices=("none", "layer", "step"),
+        default=None,
+        help="how each chip's launches join into programs: none (one per kernel), layer, step "
+        "(one persistent program per step); default: each preset's software.fusion",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -123,6 +130,14 @@ def _cache(args: argparse.Namespace) -> bool:
     return not args.no_cache
 
 
+def _spec(args: argparse.Namespace, preset: str) -> Any:
+    """The preset, with ``--fusion`` (when given) as its software's fusion level."""
+    from jalapeno_emu.chip import load_preset
+
+    spec = load_preset(preset)
+    return spec.replace(**{"software.fusion": args.fusion}) if args.fusion else spec
+
+
 def _row(d: dict[str, Any]) -> list[str]:
     return [
         str(d["concurrency"]),
@@ -169,7 +184,7 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
     )
     pred = predict(
         args.model,
-        args.preset,
+        _spec(args, args.preset),
         args.isl,
         args.osl,
         args.concurrency,
@@ -237,7 +252,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
         task = progress.add_task("points", total=None)
         points, screened = sweep_mappings(
             args.model,
-            args.preset,
+            _spec(args, args.preset),
             args.isl,
             args.osl,
             concs,
@@ -309,7 +324,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
                 results[preset].append(
                     predict(
                         args.model,
-                        preset,
+                        _spec(args, preset),
                         args.isl,
                         args.osl,
                         c,

@@ -44,7 +44,8 @@ from jalapeno_emu.kernels.emit import Out, TensorRef, emit_store
 from .config import ModelConfig
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 
-__all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "check_fusion", "layer_windows", "replicate_rows"]
+__all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "build_part", "check_fusion", "layer_windows",
+           "replicate_rows"]
 
 FUSION_LEVELS = ("none", "layer", "step")
 """How launches are joined into Programs (see the module docstring)."""
@@ -102,8 +103,44 @@ class FusedBuild:
         return self.composer.ctx.consts
 
 
+def _wiring(cfg: ModelConfig) -> dict[tuple[str, str], tuple[str, str, int, int]]:
+    """(launch label, kernel tensor) -> (producer label, its output, first column, columns) for the
+    edges inside one decoder layer (columns: the region of the producer's output it reads; 0, 0:
+    all of it). Tensors not listed come from outside the layer (x, residual), are joins, or are
+    the kernel's own (weights, caches)."""
+    wires: dict[tuple[str, str], tuple[str, str, int, int]] = {
+        ("ffn_norm", "x"): ("o_proj", "y", 0, 0), ("ffn_norm", "residual"): ("attn_norm", "h", 0, 0),
+        ("moe", "x"): ("ffn_norm", "y", 0, 0), ("ffn", "x"): ("ffn_norm", "y", 0, 0),
+        ("shared_ffn", "x"): ("ffn_norm", "y", 0, 0), ("o_proj", "x"): ("attention", "out", 0, 0),
+        ("logits", "x"): ("final_norm", "y", 0, 0),
+    }
+    if cfg.attention == "gqa":
+        hq, hkv, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q, k, v = (0, hq * d), (hq * d, hkv * d), ((hq + hkv) * d, hkv * d)
+        wires |= {("qkv_proj", "x"): ("attn_norm", "y", 0, 0),
+                  ("kv_append", "k_new"): ("qkv_proj", "y", *k),
+                  ("kv_append", "v_new"): ("qkv_proj", "y", *v),
+                  ("attention", "q"): ("qkv_proj", "y", *q), ("attention", "k"): ("qkv_proj", "y", *k),
+                  ("attention", "v"): ("qkv_proj", "y", *v),
+                  ("attention", "k_cache"): ("kv_append", "k_cache", 0, 0),
+                  ("attention", "v_cache"): ("kv_append", "v_cache", 0, 0)}
+        return wires
+    ql, r, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim
+    q_cols = ql or cfg.q_heads * (cfg.qk_nope_dim + rope)
+    wires |= {("qkv_a_proj", "x"): ("attn_norm", "y", 0, 0),
+              ("q_a_norm", "x"): ("qkv_a_proj", "y", 0, ql),
+              ("kv_a_norm", "x"): ("qkv_a_proj", "y", q_cols, r),
+              ("q_b_proj", "x"): ("q_a_norm", "y", 0, 0),
+              ("mla_append", "q"): ("q_b_proj", "y", 0, 0) if ql else ("qkv_a_proj", "y", 0, q_cols),
+              ("attention", "q"): ("mla_append", "q_rot", 0, 0),
+              ("attention", "kv_cache"): ("mla_append", "kv_cache", 0, 0)}
+    return wires
+
+
 class _Graph:
-    """Adds a model's launches to a composer, wiring each one's tensors to earlier outputs."""
+    """Adds a model's launches to a composer, wiring each one's tensors to earlier outputs
+    (``_wiring``); an input whose producer is not in the program is an HBM tensor of its own
+    (what a program of part of a layer reads)."""
 
     def __init__(self, cfg: ModelConfig, step: Step, spec: ChipSpec, comp: Composer, fb: FusedBuild) -> None:
         self.cfg, self.step, self.spec, self.comp, self.fb = cfg, step, spec, comp, fb
@@ -114,10 +151,14 @@ class _Graph:
         else:
             self.rep = Out.onchip() if self.decode else None
         self.onchip = Out.onchip() if self.decode else None
+        self.wires = _wiring(cfg)
+
+    def _op(self, layer: int, label: str) -> str:
+        return f"{'head' if layer < 0 else 'tail' if layer >= self.cfg.layers else f'L{layer}'}.{label}"
 
     def add(self, layer: int, launch: Launch, label: str, inputs: dict[str, str], outputs: dict[str, str],
             outs: dict[str, Out | None] | None = None) -> str:
-        op = f"{'head' if layer < 0 else 'tail' if layer >= self.cfg.layers else f'L{layer}'}.{label}"
+        op = self._op(layer, label)
         places = {k: v for k, v in (outs or {}).items() if v is not None}
         self.comp.add_kernel(op, launch.kernel, launch.shape_dict, inputs=inputs,
                              outputs={k: f"{op}:{v}" for k, v in outputs.items()}, outs=places)
@@ -170,67 +211,79 @@ class _Graph:
         return out
 
     # --- layers ------------------------------------------------------------------------------
+    def _placement(self, label: str, output: str) -> Out | None:
+        """Where an operator's output goes: on chip in a decode step (a norm before a GEMM
+        replicated when that is cheaper than an exchange), HBM in a prefill chunk (None)."""
+        if label in ("attn_norm", "ffn_norm", "q_a_norm"):
+            return self.rep
+        if label in ("kv_append",) or (label == "mla_append" and output == "kv_cache"):
+            return None  # the cache, in HBM
+        return self.onchip
+
+    def launches(self, layer: int, launches: Sequence[Launch], entry: dict[str, str]) -> dict[str, str]:
+        """Add ``launches`` of one layer (all of its plan, or part of it) in order.
+
+        ``entry`` gives the layer's inputs from outside it: "x" and "residual" (attn_norm's). Any
+        other input whose producer is not among ``launches`` becomes an HBM tensor of its own.
+        Returns the produced values by "label:output".
+        """
+        from jalapeno_emu.kernels.registry import get_kernel
+
+        produced: dict[str, str] = {}
+        for la in launches:
+            specs = get_kernel(la.kernel).tensors_of(la.shape_dict, self.spec)
+            op = self._op(layer, la.label)
+            inputs: dict[str, str] = {}
+            for ts in specs:
+                if ts.role == "output":
+                    continue
+                key = (la.label, ts.name)
+                if ts.role != "input":  # a cache another operator of the layer wrote, or the kernel's own
+                    src = self.wires.get(key)
+                    if src is not None and f"{src[0]}:{src[1]}" in produced:
+                        inputs[ts.name] = produced[f"{src[0]}:{src[1]}"]
+                    continue
+                if la.label == "attn_norm" and ts.name in entry:
+                    inputs[ts.name] = entry[ts.name]
+                    continue
+                if key == ("mla_append", "kv_a") and {"kv_a_norm:y", "qkv_a_proj:y"} <= set(produced) \
+                        and self.decode:
+                    inputs[ts.name] = self._kv_a(op, produced)
+                    continue
+                src = self.wires.get(key)
+                value = produced.get(f"{src[0]}:{src[1]}") if src else None
+                if value is None:
+                    inputs[ts.name] = self.external(f"{op}.{ts.name}", ts.shape, ts.dtype)
+                    continue
+                if src[3]:
+                    view = f"{op}:{ts.name}"
+                    self.comp.view(view, value, 0, src[2], self.step.tokens, src[3])
+                    value = view
+                inputs[ts.name] = value
+            outputs = {ts.name: ts.name for ts in specs if ts.role in ("output", "inout")}
+            outs = {name: self._placement(la.label, name) for name in outputs}
+            self.add(layer, la, la.label, inputs, outputs, outs)
+            produced.update({f"{la.label}:{name}": f"{op}:{name}" for name in outputs})
+        return produced
+
+    def _kv_a(self, op: str, produced: dict[str, str]) -> str:
+        """MLA's [c_kv | k_pe] rows: the normed latent beside the rope columns of the projection."""
+        cfg = self.cfg
+        r, rope = cfg.kv_lora_rank, cfg.qk_rope_dim
+        q_cols = cfg.q_lora_rank or cfg.q_heads * (cfg.qk_nope_dim + rope)
+        k_pe, name = f"{op}:k_pe", f"{op}:kv_a"
+        self.comp.view(k_pe, produced["qkv_a_proj:y"], 0, q_cols + r, self.step.tokens, rope)
+        self.comp.derive(name, (produced["kv_a_norm:y"], k_pe), lambda c, k: TensorRef.hconcat(name, (c, k)))
+        return name
+
     def layer(self, i: int, x: str, residual: str) -> tuple[str, str]:
         """Add decoder layer i reading ``x`` and ``residual``; returns its (output, residual)."""
-        cfg, t = self.cfg, self.step.tokens
-        la = {launch.label: launch for launch in layer_launches(cfg, i, self.step)}
-        n = self.add(i, la["attn_norm"], "attn_norm", {"x": x, "residual": residual}, {"y": "y", "h": "h"},
-                     {"y": self.rep, "h": self.rep})
-        attn = self._gqa(i, la, f"{n}:y") if cfg.attention == "gqa" else self._mla(i, la, f"{n}:y")
-        f = self.add(i, la["ffn_norm"], "ffn_norm", {"x": attn, "residual": f"{n}:h"}, {"y": "y", "h": "h"},
-                     {"y": self.rep, "h": self.rep})
-        ffn = "moe" if "moe" in la else "ffn"
-        m = self.add(i, la[ffn], ffn, {"x": f"{f}:y"}, {"y": "y"}, {"y": self.onchip})
-        del t
-        return f"{m}:y", f"{f}:h"
-
-    def _gqa(self, i: int, la: dict[str, Launch], y: str) -> str:
-        cfg, t = self.cfg, self.step.tokens
-        hq, hkv, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-        qkv = self.add(i, la["qkv_proj"], "qkv_proj", {"x": y}, {"y": "qkv"}, {"y": self.onchip})
-        q, k, v = f"{qkv}:q", f"{qkv}:k", f"{qkv}:v"
-        self.comp.view(q, f"{qkv}:qkv", 0, 0, t, hq * d)
-        self.comp.view(k, f"{qkv}:qkv", 0, hq * d, t, hkv * d)
-        self.comp.view(v, f"{qkv}:qkv", 0, (hq + hkv) * d, t, hkv * d)
-        if self.decode:
-            app = self.add(i, la["kv_append"], "kv_append", {"k_new": k, "v_new": v},
-                           {"k_cache": "k_cache", "v_cache": "v_cache"})
-            att = self.add(i, la["attention"], "attention",
-                           {"q": q, "k_cache": f"{app}:k_cache", "v_cache": f"{app}:v_cache"},
-                           {"out": "out"}, {"out": self.onchip})
-        else:
-            att = self.add(i, la["attention"], "attention", {"q": q, "k": k, "v": v}, {"out": "out"})
-        o = self.add(i, la["o_proj"], "o_proj", {"x": f"{att}:out"}, {"y": "y"}, {"y": self.onchip})
-        return f"{o}:y"
-
-    def _mla(self, i: int, la: dict[str, Launch], y: str) -> str:
-        cfg, t = self.cfg, self.step.tokens
-        ql, r, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_dim
-        a = self.add(i, la["qkv_a_proj"], "qkv_a_proj", {"x": y}, {"y": "a"}, {"y": self.onchip})
-        width = (ql or cfg.q_heads * (cfg.qk_nope_dim + rope)) + r + rope
-        q_cols = width - r - rope
-        self.comp.view(f"{a}:c_kv", f"{a}:a", 0, q_cols, t, r)
-        self.comp.view(f"{a}:k_pe", f"{a}:a", 0, q_cols + r, t, rope)
-        if ql:
-            self.comp.view(f"{a}:q_a", f"{a}:a", 0, 0, t, ql)
-            qa = self.add(i, la["q_a_norm"], "q_a_norm", {"x": f"{a}:q_a"}, {"y": "y"}, {"y": self.rep})
-            qb = self.add(i, la["q_b_proj"], "q_b_proj", {"x": f"{qa}:y"}, {"y": "q"}, {"y": self.onchip})
-            q = f"{qb}:q"
-        else:
-            q = f"{a}:q"
-            self.comp.view(q, f"{a}:a", 0, 0, t, q_cols)
-        c = self.add(i, la["kv_a_norm"], "kv_a_norm", {"x": f"{a}:c_kv"}, {"y": "y"}, {"y": self.onchip})
-        kv_a = f"{a}:kv_a"
-        if self.decode:
-            self.comp.derive(kv_a, (f"{c}:y", f"{a}:k_pe"), lambda cr, kr: TensorRef.hconcat(kv_a, (cr, kr)))
-        else:
+        plan = layer_launches(self.cfg, i, self.step)
+        if self.step.phase != "decode" and self.cfg.attention == "mla":
             raise InvalidArgumentError("fused MLA prefill is not supported yet: run it with --fusion none")
-        app = self.add(i, la["mla_append"], "mla_append", {"q": q, "kv_a": kv_a},
-                       {"q_rot": "q_rot", "kv_cache": "kv_cache"}, {"q_rot": self.onchip})
-        att = self.add(i, la["attention"], "attention", {"q": f"{app}:q_rot", "kv_cache": f"{app}:kv_cache"},
-                       {"out": "out"}, {"out": self.onchip})
-        o = self.add(i, la["o_proj"], "o_proj", {"x": f"{att}:out"}, {"y": "y"}, {"y": self.onchip})
-        return f"{o}:y"
+        produced = self.launches(i, plan, {"x": x, "residual": residual})
+        ffn = "moe" if "moe:y" in produced else "ffn"
+        return produced[f"{ffn}:y"], produced["ffn_norm:h"]
 
 
 def build_fused(cfg: ModelConfig, step: Step, spec: ChipSpec, *, layers: Iterable[int] | None = None,
@@ -291,6 +344,42 @@ def build_fused(cfg: ModelConfig, step: Step, spec: ChipSpec, *, layers: Iterabl
     comp.build()
     fb.program = kb.build()
     return fb
+
+
+def build_part(cfg: ModelConfig, step: Step, spec: ChipSpec, layer: int, launches: Sequence[Launch], *,
+               lookahead: int = 2, name: str | None = None) -> FusedBuild:
+    """One fused program of ``launches``: some of layer ``layer``'s launches for ``step`` (the
+    rack model's parts of a layer: its token part, its attention, its experts), in plan order.
+
+    Edges between them are wired as in a whole layer (``_wiring``); an input whose producer is
+    not among them is an HBM tensor of its own; outputs no launch of the part reads are stored to
+    HBM (the next part, after a collective, reads them from there).
+    """
+    kb = KernelBuilder(name or f"{cfg.name}_L{layer}_part", chip=spec)
+    comp = Composer(kb, spec, lookahead=lookahead)
+    fb = FusedBuild(program=None, composer=comp, step=step, layers=(layer,), head=False, tail=False)  # type: ignore[arg-type]
+    g = _Graph(cfg, step, spec, comp, fb)
+    produced = g.launches(layer, launches, {})
+    read = set()
+    for op in comp.ops:
+        for n in op.inputs.values():
+            read |= comp._sources(n)
+    for key, value in produced.items():
+        if value not in read:
+            label = f"store.{key.replace(':', '.')}"
+            comp.add(label, _store_to_hbm, {"src": value}, {"y": f"{label}:y"}, kind="store")
+            fb.layer_ops.setdefault(layer, []).append(label)
+    comp.build()
+    fb.program = kb.build()
+    return fb
+
+
+def _store_to_hbm(ctx: Any, src: TensorRef) -> Any:
+    """An operator storing an on-chip value into an HBM tensor of its own (nothing for HBM values)."""
+    if src.in_hbm:
+        return emit_store(ctx, src, Out())
+    dst = TensorRef.hbm("out", ctx.kb.hbm("out", src.shape, src.dtype))
+    return emit_store(ctx, src, Out.to(dst))
 
 
 def layer_windows(kinds: Sequence[Hashable]) -> tuple[int, int]:

@@ -66,7 +66,8 @@ class Prediction:
         """Flat JSON fields: the serving metrics (``interactivity_tok_s_user``, ``ttft_s``,
         ``tpot_s``, ``e2e_s`` medians, ``throughput_tok_s_per_chip``, ``tok_s_per_kw`` {package,
         sustained, all_in}, ``mapping``, ``chips``, ...) plus model, preset, objective, routing,
-        ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens`` and the finalists."""
+        ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens``, ``fusion`` (how the chips'
+        launches join into programs) and the finalists."""
         out = self.metrics.as_dict()
         out.update(
             model=self.model,
@@ -78,6 +79,7 @@ class Prediction:
             chips=self.mapping.chips,
             kv_capacity_tokens=self.step_model.kv_capacity_tokens,
             max_batch_tokens=self.step_model.max_batch_tokens,
+            fusion=self.step_model.fusion,
             screened=self.screened,
             finalists=[
                 {

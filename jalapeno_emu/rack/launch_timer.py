@@ -62,7 +62,7 @@ BATCH_KEYS: dict[str, str] = {
 }
 """Kernel -> the shape key a refused launch is split along."""
 
-_SOURCE_PACKAGES = ("kernels", "isa", "emu", "chip", "mx")
+_SOURCE_PACKAGES = ("kernels", "isa", "emu", "chip", "mx", "model")  # model: the fused parts' wiring
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,7 @@ class LaunchTimer:
     ) -> None:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
         self._times: dict[tuple[str, tuple], LaunchTime] = {}
+        self._parts: dict[tuple, LaunchTime] = {}
         self._programs: dict[tuple[str, tuple], Any] | None = {} if keep_programs else None
         self.followers: list[LaunchTimer] = []
         """Timers of specs differing only in timing fields: each Program built here is also timed
@@ -192,6 +193,36 @@ class LaunchTimer:
             if hit is None:
                 hit = self._measure(launch, split)
             self._times[key] = hit
+        return hit
+
+    def time_part(self, cfg: Any, layer: int, step: Any, launches: tuple[Launch, ...]) -> LaunchTime:
+        """The figures of ``launches`` (part of layer ``layer`` of ``cfg`` for ``step``) run as one
+        fused program (``model.fused.build_part``), without the launch cost: the caller pays one
+        launch per layer or per step (cached like launches, by the launches and the step).
+
+        Raises:
+            InvalidArgumentError: a kernel of the part has no emitter or refuses its shape.
+        """
+        key = ("part", cfg.attention, step, tuple((la.label, la.kernel, la.shape) for la in launches))
+        hit = self._parts.get(key)
+        if hit is None:
+            disk_key = json.dumps(["part", cfg.attention, repr(step),
+                                   [[la.label, la.kernel, [list(kv) for kv in la.shape]] for la in launches]],
+                                  separators=(",", ":"))
+            hit = self._disk.get(disk_key) if self._disk else None
+            if hit is None:
+                from jalapeno_emu.model.fused import build_part
+
+                t0 = time.perf_counter()
+                with gc_paused():
+                    fb = build_part(cfg, step, self.spec, layer, launches)
+                    s = run_timing(fb.program, self.spec).summary()
+                self.builds += 1
+                self.build_wall_s += time.perf_counter() - t0
+                hit = LaunchTime(float(s["makespan_s"]), float(s["hbm_bytes"]), float(s["flops"]),
+                                 str(s["bound"]), int(s["instructions"]))
+                self._write_line(disk_key, hit)
+            self._parts[key] = hit
         return hit
 
     def time_s(self, launch: Launch) -> float:
@@ -268,9 +299,12 @@ class LaunchTimer:
         return self.time(halves[0]) + self.time(halves[1])
 
     def _remember(self, launch: Launch, t: LaunchTime) -> None:
+        self._write_line(_key(launch), t)
+
+    def _write_line(self, key: str, t: LaunchTime) -> None:
         if self._file is None:
             return
-        line = json.dumps({"key": _key(launch), **t.as_dict()}, separators=(",", ":")) + "\n"
+        line = json.dumps({"key": key, **t.as_dict()}, separators=(",", ":")) + "\n"
         try:
             self._file.parent.mkdir(parents=True, exist_ok=True)
             with open(self._file, "a", encoding="utf-8") as fh:  # one short append per line

@@ -62,6 +62,7 @@ from jalapeno_emu.rack.routing import ExpertLoad
 __all__ = [
     "ACT_BYTES",
     "ATTENTION_LABELS",
+    "DENSE_PART_CONTEXT",
     "SLOT_TOKENS",
     "chip_config",
     "chip_head_launches",
@@ -86,7 +87,9 @@ ACT_BYTES = 2
 SLOT_TOKENS = 128
 """Tokens up to which the moe kernel may compute per expert slot (one matrix-unit row tile; its
 ``grouping=auto`` threshold, when the partial output also fits the accumulators)."""
-_DENSE_PART_CONTEXT = 32  # any context the attention kernels accept; token_launches drops them
+DENSE_PART_CONTEXT = 32
+"""Context of the decode step token_launches plans with: any the attention kernels accept (they
+are dropped from the token part)."""
 
 
 def chip_config(cfg: ModelConfig, mapping: Mapping) -> ModelConfig:
@@ -231,7 +234,7 @@ def token_launches(cfg: ModelConfig, mapping: Mapping, layer: int, tokens: int) 
     """The launches of ``layer`` whose shapes depend only on the chip's ``tokens`` this step: norms,
     projections, a dense FFN and the shared experts (not attention, not the routed experts)."""
     chip = chip_config(cfg, mapping)
-    step = Step("decode", batch=tokens, context=_DENSE_PART_CONTEXT)
+    step = Step("decode", batch=tokens, context=DENSE_PART_CONTEXT)
     out = [
         la
         for la in layer_launches(chip, layer, step)

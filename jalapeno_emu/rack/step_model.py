@@ -79,6 +79,7 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.model.plan import Step
 from jalapeno_emu.rack.launch_timer import LaunchTimer, shared_timer
 from jalapeno_emu.rack.mapping import (
     ChipMemory,
@@ -92,6 +93,7 @@ from jalapeno_emu.rack.mapping import (
 from jalapeno_emu.rack.routing import UNIFORM, ExpertLoad, Routing, parse_routing
 from jalapeno_emu.rack.slices import (
     ACT_BYTES,
+    DENSE_PART_CONTEXT,
     chip_config,
     chip_head_launches,
     chip_tail_launches,
@@ -299,6 +301,8 @@ class RackStepModel:
         self.max_batch_tokens = max_batch_tokens * self.mapping.dp
         self.power_w = power_w_from_spec(self.spec)
         self.timer = timer or shared_timer(self.spec, disk_cache=disk_cache)
+        self.fusion = self.spec.software.fusion
+        self.fusion_fallbacks = 0  # parts that could not be fused (a kernel without an emitter)
         self.load = (
             ExpertLoad(self.cfg.experts, self.cfg.top_k, self.mapping.ep, self.routing)
             if self.cfg.experts
@@ -342,7 +346,8 @@ class RackStepModel:
                 b_grid,
                 CONTEXT_GRID,
                 lambda b, c, layer=layer: self._figures(
-                    decode_attention_launches(self.cfg, self.mapping, layer, b, c)
+                    decode_attention_launches(self.cfg, self.mapping, layer, b, c),
+                    layer, Step("decode", batch=int(b), context=int(c)),
                 ),
                 *rates,
             )
@@ -350,7 +355,8 @@ class RackStepModel:
                 n_grid,
                 PRIOR_GRID,
                 lambda n, p, layer=layer: self._figures(
-                    prefill_attention_launches(self.cfg, self.mapping, layer, n, p)
+                    prefill_attention_launches(self.cfg, self.mapping, layer, n, p),
+                    layer, Step("prefill", batch=1, seq=int(n), prior=int(p)),
                 ),
                 *rates,
             )
@@ -358,7 +364,8 @@ class RackStepModel:
         self._tail = _Lazy1D(
             _POW2,
             lambda r: (
-                self._launches_s(chip_tail_launches(self.cfg, self.mapping, r))
+                self._launches_s(chip_tail_launches(self.cfg, self.mapping, r), self._chip.layers,
+                                 Step("decode", batch=int(r), context=1))
                 + sum(c.time_s for c in tail_collectives(self.spec, self.mapping, r).values())
             ),
         )
@@ -373,22 +380,49 @@ class RackStepModel:
             self._moe_pieces: dict[int, tuple[float, bool]] = {}
             self._moe_refused: int | None = None
 
-    def _figures(self, launches: Sequence[Any]) -> np.ndarray:
-        """float64[3]: summed time (s), HBM bytes and FLOPs of launches run back to back."""
+    def _figures(self, launches: Sequence[Any], layer: int | None = None,
+                 step: Step | None = None) -> np.ndarray:
+        """float64[3]: time (s), HBM bytes and FLOPs of a part of a layer: its launches back to back
+        (fusion none), or one fused program of them without the launch cost (layer, step; the
+        launches are counted once per layer or step in ``_step_times``). A part that cannot be
+        fused (a kernel with no emitter, a shape it refuses fused) runs as launches."""
         out = np.zeros(3)
+        if self.fusion != "none" and layer is not None and step is not None and launches:
+            try:
+                if len(launches) == 1:  # one operator: its stand-alone program is its fused one
+                    t = self.timer.time(launches[0])
+                    return np.array([t.time_s - self.spec.sync.kernel_launch_s, t.hbm_bytes, t.flops])
+                t = self.timer.time_part(self._chip, layer, step, tuple(launches))
+                return np.array([t.time_s, t.hbm_bytes, t.flops])
+            except InvalidArgumentError:
+                self.fusion_fallbacks += 1
         for la in launches:
             t = self.timer.time(la)
             out += (t.time_s, t.hbm_bytes, t.flops)
         return out
 
-    def _launches_s(self, launches: Sequence[Any]) -> float:
-        return sum(self.timer.time_s(la) for la in launches)
+    def _launches_s(self, launches: Sequence[Any], layer: int | None = None,
+                    step: Step | None = None) -> float:
+        if self.fusion != "none" and layer is None and len(launches) == 1:
+            return self.timer.time_s(launches[0]) - self.spec.sync.kernel_launch_s
+        return float(self._figures(launches, layer, step)[0])
 
     def _token_s(self, layer: int, tokens: int) -> float:
         comm = tp_collectives(self.cfg, self.spec, self.mapping, layer, tokens)
-        return self._launches_s(token_launches(self.cfg, self.mapping, layer, tokens)) + sum(
+        step = Step("decode", batch=int(tokens), context=DENSE_PART_CONTEXT)
+        return self._launches_s(token_launches(self.cfg, self.mapping, layer, tokens), layer, step) + sum(
             c.time_s for c in comm.values()
         )
+
+    @property
+    def _launch_per_layer_s(self) -> float:
+        """Launch cost a layer pays with ``layer`` fusion (one program per layer)."""
+        return self.spec.sync.kernel_launch_s if self.fusion == "layer" else 0.0
+
+    @property
+    def _launch_per_stage_s(self) -> float:
+        """Launch cost a stage pays per micro-batch with ``step`` fusion (one program per step)."""
+        return self.spec.sync.kernel_launch_s if self.fusion == "step" else 0.0
 
     # --- routed experts -------------------------------------------------------------------------
     def _moe_launch(self, received: float) -> Any:
@@ -414,6 +448,8 @@ class RackStepModel:
         launch = self._moe_launch(tokens)
         try:
             t = self.timer.time(launch, split=False).time_s
+            if self.fusion != "none":  # one operator of a fused program: no launch of its own
+                t -= self.spec.sync.kernel_launch_s
         except InvalidArgumentError as exc:
             if tokens == 1:
                 raise InvalidArgumentError(
@@ -525,7 +561,7 @@ class RackStepModel:
                 att = np.array([self._exact_decode_s(kind, b, float(c)) for c in mean_context])
             else:
                 att = self._decode_attention_s(kind, b, mean_context)
-            layer_s[kind] = base + att
+            layer_s[kind] = base + att + self._launch_per_layer_s
         stages = []
         rows = b + len(mine) / flight
         for s, counts in enumerate(self._stages):
@@ -534,7 +570,7 @@ class RackStepModel:
                 total = total + (self._exact_head_s(t) if exact else self._head(t))
             if s == pp - 1:
                 total = total + (self._exact_tail_s(rows) if exact else self._tail(rows))
-            stages.append(total)
+            stages.append(total + self._launch_per_stage_s)
         if pp == 1:
             return stages[0]
         p2p = self.spec.link.message_s(t * self.cfg.hidden * ACT_BYTES)
@@ -547,22 +583,22 @@ class RackStepModel:
     def _exact_moe_s(self, received: float, stage_tokens: float) -> float:
         assert self.load is not None
         comm = moe_all_to_alls(self.cfg, self.spec, self.mapping, self.load, stage_tokens)
-        return self.timer.time_s(self._moe_launch(received)) + sum(c.time_s for c in comm.values())
+        launch = self._launches_s((self._moe_launch(received),))
+        return launch + sum(c.time_s for c in comm.values())
 
     def _exact_prefill_s(self, kind: tuple[int, bool], chunks: Sequence[tuple[int, int]]) -> float:
         layer = self._rep[kind]  # one launch per chunk (priors on the 32-token grid the kernels take)
-        return sum(
-            self._launches_s(
-                prefill_attention_launches(
-                    self.cfg, self.mapping, layer, -(-new // 32) * 32, cached // 32 * 32
-                )
-            )
-            for new, cached in chunks
-        )
+        total = 0.0
+        for new, cached in chunks:
+            n, p = -(-new // 32) * 32, cached // 32 * 32
+            launches = prefill_attention_launches(self.cfg, self.mapping, layer, n, p)
+            total += self._launches_s(launches, layer, Step("prefill", batch=1, seq=n, prior=p))
+        return total
 
     def _exact_decode_s(self, kind: tuple[int, bool], batch: int, context: float) -> float:
         c = -(-round(context) // 32) * 32 if self.cfg.attention == "mla" else round(context)
-        return self._launches_s(decode_attention_launches(self.cfg, self.mapping, self._rep[kind], batch, c))
+        launches = decode_attention_launches(self.cfg, self.mapping, self._rep[kind], batch, c)
+        return self._launches_s(launches, self._rep[kind], Step("decode", batch=batch, context=c))
 
     def _exact_head_s(self, tokens: float) -> float:
         return self._launches_s(chip_head_launches(self.cfg, math.ceil(tokens)))
@@ -570,7 +606,8 @@ class RackStepModel:
     def _exact_tail_s(self, rows: float) -> float:
         r = max(1, math.ceil(rows))
         comm = tail_collectives(self.spec, self.mapping, r)
-        return self._launches_s(chip_tail_launches(self.cfg, self.mapping, r)) + sum(
+        step = Step("decode", batch=r, context=1)
+        return self._launches_s(chip_tail_launches(self.cfg, self.mapping, r), self._chip.layers, step) + sum(
             c.time_s for c in comm.values()
         )
 
@@ -620,5 +657,7 @@ class RackStepModel:
             "max_batch_tokens": self.max_batch_tokens,
             "memory": self.memory.as_dict(),
             "decode_batch_unit": self.b_unit,
+            "fusion": self.fusion,
+            "fusion_fallbacks": self.fusion_fallbacks,
             "prefill_chunk_unit": self.n_unit,
         }

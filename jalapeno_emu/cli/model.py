@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="jalapeno-v1", help="chip preset (default jalapeno-v1)")
     p.add_argument("--check", action="store_true", help="run the pure-JAX reference alongside and "
                    "compare logits and greedy tokens at every step (exit 1 on a mismatch)")
+    p.add_argument("--fusion", choices=("none", "layer", "step"), default=None,
+                   help="run each step's launches one by one (none), one program per layer, or one "
+                        "persistent program per step; default: the preset's software.fusion")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run_generate)
 
@@ -217,14 +220,15 @@ def run_generate(app: App, args: argparse.Namespace) -> int:
         task = bar.add_task(f"{cfg.name} on {args.preset}", total=None)
         gen = generate(cfg, prompt_len=args.prompt_len, tokens=args.tokens, batch=args.batch,
                        chunk=args.chunk,
-                       seed=args.seed, preset=args.preset, check=args.check,
+                       seed=args.seed, preset=args.preset, check=args.check, fusion=args.fusion,
                        progress=lambda done, total: bar.update(task, completed=done, total=total))
     doc = gen.as_dict()
     failed = gen.check is not None and not gen.check["passed"]
     if app.json_output:
         app.emit_json("generate", doc)
         return 1 if failed else 0
-    table = Table(title=f"{cfg.name} on {gen.preset}: {args.prompt_len}-token prompt, {args.tokens} tokens, "
+    table = Table(title=f"{cfg.name} on {gen.preset} (fusion {gen.fusion}): {args.prompt_len}-token prompt, "
+                  f"{args.tokens} tokens, "
                   f"batch {args.batch}")
     for col, just in (("step", "right"), ("phase", "left"), ("positions", "right"), ("token(s)", "left"),
                       ("die µs", "right"), ("bound", "left"), ("HBM util", "right"),

@@ -79,8 +79,9 @@ class DieModel:
         batch: sequences; all advance together (same length).
         max_positions: the longest sequence the run may reach (prompt plus generated tokens).
         preset: the chip.
-        fusion: "none" (every launch its own program, as timed by default) or "step" (each step
-            one fused program, ``model.fused``; bit-identical results).
+        fusion: "none" (every launch its own program), "layer" (a fused program per layer) or
+            "step" (each step one fused program); see ``model.fused``. Results are bit-identical
+            whatever the fusion (same kernels, same arithmetic).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
@@ -89,9 +90,8 @@ class DieModel:
             raise InvalidArgumentError(f"batch {batch} and max_positions {max_positions} must be >= 1")
         self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
         self.spec = load_preset(preset) if isinstance(preset, str) else preset
-        if fusion not in ("none", "step"):
-            raise InvalidArgumentError(f"fusion {fusion!r}: functional runs take none (launch by launch) or "
-                                       "step (one fused program per step)")
+        if fusion not in ("none", "layer", "step"):
+            raise InvalidArgumentError(f"fusion {fusion!r} is not one of none, layer, step")
         self.fusion = fusion
         self.timer = StepTimer(self.spec)
         self._fused = None
@@ -163,7 +163,7 @@ class DieModel:
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
         cfg = self.cfg
-        if self.fusion == "step":
+        if self.fusion != "none":
             return self._forward_fused(step, ids, t0)
         (embed,) = head_launches(cfg, step)
         x = self.run(embed, {"table": self.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)})["out"]
@@ -193,17 +193,25 @@ class DieModel:
         from jalapeno_emu.emu.timing import run_timing
 
         from .fused_die import FusedStep
-        from .fused_timing import _stretches, sum_groups
+        from .fused_timing import _stretches, _whole_group, sum_groups
 
         if self._fused is None:
-            self._fused = FusedStep(self)
+            self._fused = FusedStep(self, self.fusion)
         logits = self._fused.run(step, ids)
         wall = time.perf_counter() - t0
         self.length += ids.shape[1]
-        fb = self._fused.build(step)
-        tl = run_timing(fb.program, self.spec)
-        layers = range(self.cfg.layers)
-        per_layer, head, tail = _stretches(self.cfg, fb, tl, layers, self.spec, with_tail=True)
-        timing = (head, *(per_layer[i] for i in range(self.cfg.layers)), tail)
-        totals = sum_groups(timing, tl.time_s, self.spec, "step")
+        fbs = self._fused.programs(step)
+        if self.fusion == "step":
+            tl = run_timing(fbs[0].program, self.spec)
+            layers = range(self.cfg.layers)
+            per_layer, head, tail = _stretches(self.cfg, fbs[0], tl, layers, self.spec, with_tail=True)
+            timing = (head, *(per_layer[i] for i in layers), tail)
+            total = tl.time_s
+        else:  # one program per layer, head and tail: each its own launch
+            n = self.cfg.layers
+            groups = zip(fbs, [-1, *range(n), n], ["head", *["layer"] * n, "tail"], strict=True)
+            timing = tuple(_whole_group(fb, run_timing(fb.program, self.spec), g, kind, self.spec)
+                           for fb, g, kind in groups)
+            total = sum(lt.time_s for lt in timing)
+        totals = sum_groups(timing, total, self.spec, self.fusion)
         return StepResult(logits=logits, step=step, timing=timing, totals=totals, wall_s=wall)

@@ -28,42 +28,65 @@ __all__ = ["FusedStep"]
 
 
 class FusedStep:
-    """Builds (once per step shape) and runs a fused step on a :class:`DieModel`."""
+    """Builds (once per step shape) and runs fused programs of a step on a :class:`DieModel`:
+    ``step`` fusion one program for the step, ``layer`` fusion one per layer (and one for the
+    embedding, one for the final norm and logits), the activations between them in HBM."""
 
-    def __init__(self, die: DieModel) -> None:
-        self.die = die
-        self._builds: dict[Step, FusedBuild] = {}
+    def __init__(self, die: DieModel, fusion: str = "step") -> None:
+        if fusion not in ("layer", "step"):
+            raise InvalidArgumentError(f"fusion {fusion!r}: FusedStep runs layer or step fusion")
+        self.die, self.fusion = die, fusion
+        self._builds: dict[tuple, FusedBuild] = {}
 
-    def build(self, step: Step) -> FusedBuild:
-        """The fused program of ``step`` (cached by the step's shape)."""
-        fb = self._builds.get(step)
-        if fb is None:
-            cfg = self.die.cfg
-            fb = build_fused(cfg, step, self.die.spec, name=f"{cfg.name}_{step.phase}_fused")
-            self._builds[step] = fb
-        return fb
+    def programs(self, step: Step) -> list[FusedBuild]:
+        """The fused programs of ``step``, in the order they run (cached by the step's shape)."""
+        cfg = self.die.cfg
+        if self.fusion == "step":
+            parts = [(None, None, None)]
+        else:
+            parts = [((), True, False), *(((i,), False, False) for i in range(cfg.layers)), ((), False, True)]
+        out = []
+        for layers, head, tail in parts:
+            key = (step, layers, head, tail)
+            fb = self._builds.get(key)
+            if fb is None:
+                fb = build_fused(cfg, step, self.die.spec, layers=layers, head=head, tail=tail,
+                                 name=f"{cfg.name}_{step.phase}_fused")
+                replanned = [o.label for o in fb.composer.ops if o.replanned]
+                if replanned:  # its layout (packed weights, tiling) is not the stand-alone launch's
+                    raise InvalidArgumentError(
+                        f"fused step of {cfg.name}: operators {replanned} did not fit beside the values "
+                        "live on chip and were re-planned; run it unfused")
+                self._builds[key] = fb
+            out.append(fb)
+        return out
 
     def run(self, step: Step, ids: np.ndarray) -> np.ndarray:
         """Run ``step`` on token ids [batch, S]; returns the logits (bf16 values) [batch, vocab]
         and updates the die's KV cache with the step's tokens."""
         cfg = self.die.cfg
-        fb = self.build(step)
-        replanned = [o.label for o in fb.composer.ops if o.replanned]
-        if replanned:  # its layout (packed weights, tiling) is not the stand-alone launch's
-            raise InvalidArgumentError(f"fused step of {cfg.name}: operators {replanned} did not fit beside "
-                                       "the values live on chip and were re-planned; run it unfused")
-        data: dict[str, Any] = dict(fb.consts)
-        data["residual0"] = np.zeros((step.tokens, cfg.hidden), _BF16)
-        ops = {o.label: o for o in fb.composer.ops}
-        shapes = dict(dict(fb.program.meta)["tensors"])
-        for op, (layer, launch) in fb.ops.items():
-            hbm = ops[op].hbm
-            for name, value in self._op_data(step, layer, launch, ids, hbm, shapes).items():
-                if name in hbm and value is not None:
-                    data[hbm[name]] = value
-        result = run_functional(fb.program, data)
-        self._read_caches(fb, step, result)
-        return np.asarray(result.read(fb.results["logits"], "bf16", (step.batch, cfg.vocab)), np.float32)
+        carry: dict[str, Any] = {}  # layer fusion: x and residual from one program to the next
+        logits = None
+        for fb in self.programs(step):
+            data: dict[str, Any] = dict(fb.consts)
+            data["residual0"] = np.zeros((step.tokens, cfg.hidden), _BF16)
+            if "x_in" in fb.externals:
+                data["x_in"], data["residual_in"] = carry["x"], carry["residual"]
+            ops = {o.label: o for o in fb.composer.ops}
+            shapes = dict(dict(fb.program.meta)["tensors"])
+            for op, (layer, launch) in fb.ops.items():
+                hbm = ops[op].hbm
+                for name, value in self._op_data(step, layer, launch, ids, hbm, shapes).items():
+                    if name in hbm and value is not None:
+                        data[hbm[name]] = value
+            result = run_functional(fb.program, data)
+            self._read_caches(fb, step, result)
+            for key, name in fb.results.items():
+                if key in ("x", "residual"):
+                    carry[key] = np.asarray(result.read(name, "bf16", (step.tokens, cfg.hidden)))
+            if "logits" in fb.results:
+                logits = result.read(fb.results["logits"], "bf16", (step.batch, cfg.vocab))
+        return np.asarray(logits, np.float32)
 
     # --- per-operator data -----------------------------------------------------------------
     def _op_data(self, step: Step, layer: int, launch: Any, ids: np.ndarray, hbm: dict[str, str],

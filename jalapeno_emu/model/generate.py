@@ -57,12 +57,14 @@ class Generation:
     tokens: np.ndarray
     steps: list[dict[str, Any]] = field(default_factory=list)
     check: dict[str, Any] | None = None
+    fusion: str = "none"
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form."""
         decode = [s for s in self.steps if s["phase"] == "decode"]
         prefill = [s for s in self.steps if s["phase"] == "prefill"]
-        out = {"model": self.model, "preset": self.preset, "prompt": self.prompt.tolist(),
+        out = {"model": self.model, "preset": self.preset, "fusion": self.fusion,
+               "prompt": self.prompt.tolist(),
                "tokens": self.tokens.tolist(), "steps": self.steps,
                "prefill_time_s": sum(s["time_s"] for s in prefill),
                "decode_time_s_per_token": (sum(s["time_s"] for s in decode) / len(decode)
@@ -103,7 +105,7 @@ def prompt_feeds(prompt: np.ndarray, chunk: int = 0) -> list[np.ndarray]:
 
 def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, chunk: int = 0, seed: int = 0,
              preset: str | ChipSpec = "jalapeno-v1", check: bool = False,
-             progress: Any = None) -> Generation:
+             progress: Any = None, fusion: str | None = None) -> Generation:
     """Prefill a seeded random prompt and greedily decode ``tokens`` tokens on the die.
 
     Args:
@@ -113,6 +115,8 @@ def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, 
             step); see ``prompt_feeds`` for prompts that are not a multiple of 32.
         seed: weights and prompt seed. preset: the chip. check: run the reference alongside.
         progress: called as progress(step_index, total_steps) after each step, if given.
+        fusion: how each step's launches run: "none", "layer" or "step" (``model.fused``); None:
+            the preset's ``software.fusion``.
 
     Raises:
         InvalidArgumentError: bad lengths, or a model too large to materialise.
@@ -125,7 +129,11 @@ def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, 
                                    "materialised on the host); use a tiny variant, or `model` for timing")
     weights = init_weights(cfg, seed)
     total = prompt_len + tokens
-    die = DieModel(cfg, weights, batch=batch, max_positions=total, preset=preset)
+    from jalapeno_emu.chip import load_preset
+
+    spec = load_preset(preset) if isinstance(preset, str) else preset
+    die = DieModel(cfg, weights, batch=batch, max_positions=total, preset=spec,
+                   fusion=spec.software.fusion if fusion is None else fusion)
     ref = None
     if check:
         from .reference import ReferenceModel
@@ -135,7 +143,7 @@ def generate(cfg: ModelConfig, *, prompt_len: int, tokens: int, batch: int = 1, 
     prompt = rng.integers(0, cfg.vocab, (batch, prompt_len))
     feeds = prompt_feeds(prompt, chunk)
     gen = Generation(model=cfg.name, preset=die.spec.name, prompt=prompt,
-                     tokens=np.zeros((batch, 0), np.int64))
+                     tokens=np.zeros((batch, 0), np.int64), fusion=die.fusion)
     checks = []
     n_steps = len(feeds) + tokens - 1
     i = 0

@@ -385,11 +385,14 @@ def _store_to_hbm(ctx: Any, src: TensorRef) -> Any:
 def layer_windows(kinds: Sequence[Hashable]) -> tuple[int, int]:
     """(warm-up layers, period) of the layer pattern ``kinds`` (one per layer, e.g. each layer's
     launch plan): the layers after the warm-up repeat with that period (gpt-oss: sliding/full
-    alternate, period 2; DeepSeek: 3 dense layers, then MoE layers, period 1)."""
+    alternate, period 2; DeepSeek: 3 dense layers, then MoE layers, period 1), the shortest warm-up
+    plus period that repeats at least twice; (all, 1) when none does."""
     n = len(kinds)
+    best = None
     for warm in range(n):
         for period in (1, 2, 3, 4):
             rest = kinds[warm:]
-            if all(rest[j] == rest[j % period] for j in range(len(rest))):
-                return warm, period
-    return n, 1
+            repeats = len(rest) >= 2 * period and all(rest[j] == rest[j % period] for j in range(len(rest)))
+            if repeats and (best is None or warm + period < sum(best)):
+                best = (warm, period)
+    return best or (n, 1)

@@ -60,7 +60,8 @@ from jalapeno_emu.isa.table import Space
 
 from .planning import Budget
 
-__all__ = ["EmitCtx", "Emitter", "Out", "Piece", "Ready", "TensorRef", "emit_store", "fetch", "run_emitter"]
+__all__ = ["EmitCtx", "Emitter", "Out", "Piece", "Ready", "TensorRef", "emit_copy", "emit_store", "fetch",
+           "run_emitter"]
 
 Ready = tuple[int, int]
 """(semaphore id, value): the condition an engine waits for before touching a region."""
@@ -179,6 +180,15 @@ class TensorRef:
             pieces += [replace(pc, c0=pc.c0 + c0) for pc in p.pieces]
             c0 += p.shape[1]
         return TensorRef.onchip(name, (rows, c0), dtype, pieces)
+
+    def with_ready_of(self, other: TensorRef, r0: int = 0, c0: int = 0) -> TensorRef:
+        """This HBM tensor with the readiness regions of ``other`` (a writer's view of its region
+        at [r0, c0]) added, shifted to this tensor's coordinates."""
+        ref = self
+        for p in other.pieces:
+            if p.ready is not None:
+                ref = ref.with_ready(p.r0 + r0, p.c0 + c0, p.rows, p.cols, p.ready)
+        return ref
 
     def with_ready(self, r0: int, c0: int, rows: int, cols: int, ready: Ready) -> TensorRef:
         """This HBM tensor with region [r0:r0+rows, c0:c0+cols] ready only at ``ready`` (a writer
@@ -471,4 +481,51 @@ def emit_store(ctx: EmitCtx, src: TensorRef, out: Out) -> Emitter:
             q.wait(*p.ready)
         q.store(out.ref.hbm_view(p.r0, p.c0, p.rows, p.cols), p.tile)
         q.signal(sems[p.tile.core])
+    return outs
+
+
+def emit_copy(ctx: EmitCtx, src: TensorRef, out: Out) -> Emitter:
+    """Copy ``src`` (HBM or on chip) into the HBM tensor ``out.ref`` of the same shape: rows split
+    over the budget's cores, each core bringing its rows into its scratchpad in tiles and storing
+    them (a prefill chunk's [c_kv | k_pe] rows assembled from two producers). Yields/returns
+    ``{"y": ...}``, each core's rows ready when its stores have landed."""
+    if not out.in_hbm or out.ref.shape != src.shape or out.ref.dtype != src.dtype or src.is_mx:
+        raise InvalidArgumentError(f"emit_copy: {src.name} {list(src.shape)} needs an HBM destination of the "
+                                   "same shape and dtype (not MX)")
+    kb = ctx.kb
+    rows, cols = src.shape
+    row_bytes = out.ref.base.row_bytes
+    cores = min(ctx.budget.cores, rows)
+    per = -(-rows // cores)
+    tile_rows = max(1, min(per, ctx.budget.sram_bytes // 2 // max(row_bytes, 1)))
+    ref = out.ref
+    plan = []
+    for c in range(cores):
+        lo, hi = c * per, min(rows, (c + 1) * per)
+        if lo >= hi:
+            continue
+        sem = kb.semaphore(f"c{c}.copied")
+        plan.append((c, lo, hi, sem))
+        ref = ref.with_ready(lo, 0, hi - lo, cols, (sem.id, -(-(hi - lo) // tile_rows)))
+    outs = {"y": ref}
+    yield outs
+    for c, lo, hi, sem in plan:
+        core = kb.core(c)
+        bufs = [kb.sram(c, f"rows{b}", (tile_rows, cols), src.dtype) for b in range(2)]
+        put = kb.semaphore(f"c{c}.put")
+        waited: dict[Any, set[Ready]] = {}
+        st = core.dma[-1]
+        for i, r0 in enumerate(range(lo, hi, tile_rows)):
+            n = min(tile_rows, hi - r0)
+            buf = bufs[i % 2].sub(0, 0, n, cols)
+            free = [(put.id, i - 1)] if i >= 2 else []  # the store that last read this buffer is done
+            qs = core.dma[0] if src.in_hbm else core.dma[:-1]
+            used = fetch(qs, buf, src, r0, 0, waited=waited, after=free)
+            got = kb.semaphore(f"c{c}.got{i}")
+            for q in used:
+                q.signal(got)
+            st.wait(got, len(used))
+            st.store(out.ref.hbm_view(r0, 0, n, cols), buf)
+            st.signal(put)
+            st.signal(sem)
     return outs

@@ -39,7 +39,7 @@ from jalapeno_emu.emu.program import Program, Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.kernels.compose import Composer
-from jalapeno_emu.kernels.emit import Out, TensorRef, emit_store
+from jalapeno_emu.kernels.emit import Out, TensorRef, emit_copy, emit_store
 
 from .config import ModelConfig
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
@@ -230,6 +230,14 @@ class _Graph:
         from jalapeno_emu.kernels.registry import get_kernel
 
         produced: dict[str, str] = {}
+        labels = {la.label for la in launches}
+        kv_a_buf = None
+        if not self.decode and {"qkv_a_proj", "kv_a_norm", "mla_append"} <= labels:
+            # A prefill chunk's [c_kv | k_pe] rows in HBM: the norm writes the first columns, a copy
+            # brings the rope columns of the projection beside them.
+            cfg = self.cfg
+            shape = (self.step.tokens, cfg.kv_lora_rank + cfg.qk_rope_dim)
+            kv_a_buf = self.external(self._op(layer, "kv_a"), shape)
         for la in launches:
             specs = get_kernel(la.kernel).tensors_of(la.shape_dict, self.spec)
             op = self._op(layer, la.label)
@@ -246,9 +254,8 @@ class _Graph:
                 if la.label == "attn_norm" and ts.name in entry:
                     inputs[ts.name] = entry[ts.name]
                     continue
-                if key == ("mla_append", "kv_a") and {"kv_a_norm:y", "qkv_a_proj:y"} <= set(produced) \
-                        and self.decode:
-                    inputs[ts.name] = self._kv_a(op, produced)
+                if key == ("mla_append", "kv_a") and {"kv_a_norm:y", "qkv_a_proj:y"} <= set(produced):
+                    inputs[ts.name] = self._kv_a(layer, op, produced, kv_a_buf)
                     continue
                 src = self.wires.get(key)
                 value = produced.get(f"{src[0]}:{src[1]}") if src else None
@@ -262,25 +269,37 @@ class _Graph:
                 inputs[ts.name] = value
             outputs = {ts.name: ts.name for ts in specs if ts.role in ("output", "inout")}
             outs = {name: self._placement(la.label, name) for name in outputs}
+            if la.label == "kv_a_norm" and kv_a_buf is not None:
+                outs["y"] = Out.to(self.comp.values[kv_a_buf].region(0, 0, self.step.tokens,
+                                                                      self.cfg.kv_lora_rank))
             self.add(layer, la, la.label, inputs, outputs, outs)
             produced.update({f"{la.label}:{name}": f"{op}:{name}" for name in outputs})
         return produced
 
-    def _kv_a(self, op: str, produced: dict[str, str]) -> str:
-        """MLA's [c_kv | k_pe] rows: the normed latent beside the rope columns of the projection."""
-        cfg = self.cfg
+    def _kv_a(self, layer: int, op: str, produced: dict[str, str], buf: str | None) -> str:
+        """MLA's [c_kv | k_pe] rows: the normed latent beside the rope columns of the projection
+        (decode: both on chip, joined; prefill: assembled in the HBM buffer ``buf``)."""
+        cfg, t = self.cfg, self.step.tokens
         r, rope = cfg.kv_lora_rank, cfg.qk_rope_dim
         q_cols = cfg.q_lora_rank or cfg.q_heads * (cfg.qk_nope_dim + rope)
         k_pe, name = f"{op}:k_pe", f"{op}:kv_a"
-        self.comp.view(k_pe, produced["qkv_a_proj:y"], 0, q_cols + r, self.step.tokens, rope)
-        self.comp.derive(name, (produced["kv_a_norm:y"], k_pe), lambda c, k: TensorRef.hconcat(name, (c, k)))
+        self.comp.view(k_pe, produced["qkv_a_proj:y"], 0, q_cols + r, t, rope)
+        if buf is None:
+            self.comp.derive(name, (produced["kv_a_norm:y"], k_pe),
+                             lambda c, k: TensorRef.hconcat(name, (c, k)))
+            return name
+        dst = self.comp.values[buf].region(0, r, t, rope)
+        copy = self._op(layer, "k_pe_copy")
+        self.comp.add(copy, lambda ctx, src: emit_copy(ctx, src, Out.to(dst)), {"src": k_pe},
+                      {"y": f"{copy}:y"}, kind="copy")
+        self.fb.layer_ops.setdefault(layer, []).append(copy)
+        self.comp.derive(name, (buf, produced["kv_a_norm:y"], f"{copy}:y"),
+                         lambda b, c, k: b.with_ready_of(c, 0, 0).with_ready_of(k, 0, r))
         return name
 
     def layer(self, i: int, x: str, residual: str) -> tuple[str, str]:
         """Add decoder layer i reading ``x`` and ``residual``; returns its (output, residual)."""
         plan = layer_launches(self.cfg, i, self.step)
-        if self.step.phase != "decode" and self.cfg.attention == "mla":
-            raise InvalidArgumentError("fused MLA prefill is not supported yet: run it with --fusion none")
         produced = self.launches(i, plan, {"x": x, "residual": residual})
         ffn = "moe" if "moe:y" in produced else "ffn"
         return produced[f"{ffn}:y"], produced["ffn_norm:h"]

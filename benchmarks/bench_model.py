@@ -33,7 +33,7 @@ def timing_only(model: str, batch: int, context: int) -> dict:
     cfg = load_model_config(model)
     t0 = time.perf_counter()
     timer = StepTimer("jalapeno-v1")
-    report = time_model(cfg, Step("decode", batch=batch, context=context), timer=timer)
+    report = time_model(cfg, Step("decode", batch=batch, context=context), timer=timer, fusion="none")
     wall = time.perf_counter() - t0
     return {"model": model, "batch": batch, "context": context, "wall_s": wall,
             "distinct_launches": report.distinct_launches, "layers": cfg.layers,

@@ -65,12 +65,30 @@ from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
-from jalapeno_emu.isa.table import DTYPES, Space
+from jalapeno_emu.isa.builder import MXTensor
+from jalapeno_emu.isa.table import Space
 
+from .base import TensorSpec
+from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch
+from .moe_base import (
+    BIAS_PARTS,
+    Counter,
+    MoeLayout,
+    Spec,
+    aligned,
+    emit_activation,
+    expert_rows_reference,
+    inorder_jit,
+    layout_bytes,
+    load_mx,
+    mx_rows,
+    mx_specs,
+    quant_reference,
+    slices_of,
+    view,
+)
 from .moe_pack import router_logical, split_layout, unpack_expert_biases, unpack_experts
 from .moe_routing import (
-    RoutingDims,
     emit_gating,
     emit_route_constants,
     fill_constant,
@@ -80,12 +98,12 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
 
-__all__ = ["GatherItem", "GatherPlan", "gather_reference", "plan_gather"]
+__all__ = ["GatherItem", "GatherPlan", "emit_gather", "gather_reference", "gather_tensors", "plan_gather"]
 
 _BLOCK = 128  # tokens per routing / list / combine block (the matrix unit's row tile)
-_SRAM_SHARE = 0.95
-_BIAS_PARTS = 3
+_ROUTER_PANEL = 512  # router K panel rows at most (x and Wr panels double-buffered)
 
 
 @dataclass(frozen=True)
@@ -113,40 +131,24 @@ class GatherItem:
     bias: bool
 
 
-@dataclass(frozen=True)
-class GatherPlan:
-    """The gather program's layout (``plan_moe`` returns it for grouping=gather).
+@dataclass(frozen=True, kw_only=True)
+class GatherPlan(MoeLayout):
+    """The gather program's layout (``MoeLayout``'s fields with d = e, the down projection in the
+    split layout of ``moe_pack``: chunk_off/chunk_sizes locate the slices' gate|up segments,
+    down_blocks/down_off its H blocks; plus):
 
-    Attributes (beyond MoePlan's t, h, i, e, k, s, slices, chunk_off, chunk_sizes, expert_bytes,
-    expert_bias, router_parts, router_cols, rd, which keep their meaning; d = e):
+    Attributes:
         tb: tokens per block; cap: capacity C per (expert, block).
         items: expert items; item_core: the core of each.
         cores: cores used.
         hb: down-projection H block; hc: combine H block.
         n_partials: shared partial-output tables (shared experts x intermediate ranges).
         nbuf: gate|up weight buffers per core.
-        quant_rows: x rows each core quantises.
-        down_blocks: (first column, width) of the down projection's H blocks; with ``down_off``,
-            the packed table's split layout (``moe_pack``: chunk_off/chunk_sizes locate the
-            slices' gate|up segments).
+        quant_rows: x rows each core quantises; quant_step: rows per quantisation step.
+        rk: router K panel rows.
         ng: combine buffers (terms in flight per combine item).
     """
 
-    t: int
-    h: int
-    i: int
-    e: int
-    k: int
-    s: int
-    d: int
-    slices: tuple[tuple[int, int], ...]
-    chunk_off: tuple[int, ...]
-    chunk_sizes: tuple[int, ...]
-    expert_bytes: int
-    expert_bias: bool
-    router_parts: int
-    router_cols: int
-    rd: RoutingDims | None
     tb: int
     cap: int
     items: tuple[GatherItem, ...]
@@ -157,8 +159,8 @@ class GatherPlan:
     n_partials: int
     nbuf: int
     quant_rows: int
-    down_blocks: tuple[tuple[int, int], ...]
-    down_off: tuple[int, ...]
+    quant_step: int
+    rk: int
     ng: int
 
     @property
@@ -170,11 +172,6 @@ class GatherPlan:
     def o_rows(self) -> int:
         """Rows of one block's routed output table: k zero rows, then C per expert."""
         return self.k + self.e * self.cap
-
-    @property
-    def slice_max(self) -> int:
-        """Widest slice."""
-        return max(w for _, w in self.slices)
 
     def core_items(self, c: int) -> list[int]:
         """Indices of the items core ``c`` runs, in order."""
@@ -195,17 +192,6 @@ class GatherPlan:
 
 
 # --- plan -------------------------------------------------------------------------------------
-def _block_size(t: int) -> int:
-    """Tokens per block: T itself up to 128, else the largest divisor of T in [32, 128]."""
-    if t <= _BLOCK:
-        return t
-    for tb in range(_BLOCK, 31, -1):
-        if t % tb == 0:
-            return tb
-    raise InvalidArgumentError(f"shape key tokens={t}: grouping=gather cuts the tokens into equal blocks "
-                               "of 32..128; pad the batch to a multiple of 32 (e.g. 128)")
-
-
 def _capacity(tb: int, e: int, k: int, factor: float) -> int:
     return max(1, min(tb, math.ceil(tb * k / e * factor - 1e-9)))
 
@@ -227,50 +213,57 @@ def _items(t: int, e: int, s: int, nb: int, cap: int, slices: tuple[tuple[int, i
     return out
 
 
-def _hbm_rate(spec: ChipSpec, cores: int) -> float:
-    """A core's bytes/s when ``cores`` cores stream at once."""
-    hbm = spec.hbm
-    return min(spec.dma.bytes_per_s_per_core,
-               hbm.bytes_per_s_per_pseudo_channel * hbm.pseudo_channels * hbm.efficiency / cores)
-
-
-def _item_cost(it: GatherItem, h: int, slices, down_blocks, spec: ChipSpec, act_fmt: str) -> float:
+def _item_cost(it: GatherItem, h: int, slices, down_blocks, spec: ChipSpec, act_fmt: str,
+               cores: int) -> float:
     """Estimated seconds of one item on one core, all cores busy: max(its bytes over a core's share
     of HBM, its matrix-unit steps: 128 x 128 x 32 tiles, partial tiles priced whole)."""
     mx_ = spec.matrix
     w_cols = sum(slices[j][1] for j in it.slices)
     item_bytes = 51 * h * w_cols // 32 + it.rows * h * (4 + 1)  # weights, x rows in, FP32 rows out
-    macs = {"fp4": mx_.mxfp4_macs_per_cycle, "fp8e4": mx_.mxfp8_macs_per_cycle,
-            "bf16": mx_.bf16_macs_per_cycle}[act_fmt]
     mt = -(-it.rows // mx_.tile_m)
     gu = sum(-(-2 * slices[j][1] // mx_.tile_n) for j in it.slices) * -(-h // mx_.tile_k)
     down = sum(-(-hw // mx_.tile_n) for _, hw in down_blocks) * -(-w_cols // mx_.tile_k)
-    tile = mx_.tile_m * mx_.tile_n * mx_.tile_k
-    mxu_s = mt * (gu + down) * tile / macs / spec.core.clock_hz
-    return max(item_bytes / _hbm_rate(spec, spec.core.count), mxu_s)
+    mxu_s = mt * (gu + down) * mxu_cycles_per_step(spec, act_fmt, "fp4") / spec.core.clock_hz
+    return max(item_bytes / core_hbm_bytes_per_s(spec, cores), mxu_s)
 
 
 def _estimate(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> float:
     """Estimated seconds: the busiest core's items or HBM overall, whichever is longer, then the
     combine; penalised beyond ~150k instructions (build and check time)."""
-    costs = [_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt) for it in p.items]
+    costs = [_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt, p.cores) for it in p.items]
     core_s = _lpt(costs, p.cores)[1]
     weights = sum(51 * p.h * sum(p.slices[j][1] for j in it.slices) // 32 for it in p.items)
     out_rows = p.nb * p.o_rows if p.e else 0
     combine_bytes = 4 * p.h * (p.t * p.k * (1 if p.e else 0) + p.n_partials * p.t) + 2 * p.t * p.h
     hbm_bytes = weights + 4 * p.h * (out_rows + p.n_partials * p.t) + combine_bytes
-    bw = spec.hbm.bytes_per_s_per_pseudo_channel * spec.hbm.pseudo_channels * spec.hbm.efficiency
+    bw = spec.derived()["hbm_achievable_bytes_per_s"]
     est = max(core_s, hbm_bytes / bw) + combine_bytes / bw
     n_hb = len(p.down_blocks)
     instr = sum(14 * len(it.slices) + n_hb * (8 + len(it.blocks)) + 2 * len(it.blocks) for it in p.items)
     return est * (1 + max(0, instr - 150_000) / 150_000)
 
 
-def plan_gather(shape: dict[str, Any], spec: ChipSpec) -> GatherPlan:
-    """The gather layout for a ``shape`` the dense planner's checks accepted: the fitting split
-    with the lowest estimate (``_estimate``)."""
-    from .moe import _slices
+def _block_sizes(t: int) -> list[int]:
+    """Token block sizes to try, largest first: T itself up to 128, else the divisors of T in
+    [32, 128] (a smaller block has smaller routing tiles, and more capacity slack)."""
+    if t <= _BLOCK:
+        return [t]
+    sizes = [tb for tb in range(_BLOCK, 31, -1) if t % tb == 0]
+    if not sizes:
+        raise InvalidArgumentError(f"shape key tokens={t}: grouping=gather cuts the tokens into equal blocks "
+                                   "of 32..128; pad the batch to a multiple of 32 (e.g. 128)")
+    return sizes
 
+
+def plan_gather(shape: dict[str, Any], spec: ChipSpec, budget: Budget) -> GatherPlan:
+    """The gather layout for a checked ``shape`` within ``budget``: per token block size (largest
+    first), the fitting split with the lowest estimate (``_estimate``); x's quantisation steps,
+    the router's K panels and the combine's columns are sized to what the scratchpad leaves.
+
+    Raises:
+        InvalidArgumentError: distinct_experts set, or no block size divides the tokens.
+        DoesNotFit: no split of the expert work fits (naming the key and the bytes).
+    """
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     s, act_fmt, bias = shape["shared_experts"], shape["act_fmt"], shape["expert_bias"]
     if shape["distinct_experts"]:
@@ -278,40 +271,44 @@ def plan_gather(shape: dict[str, Any], spec: ChipSpec) -> GatherPlan:
                                    "grouping=dense (the gather program runs every expert's tokens)")
     if shape["capacity_factor"] <= 0:
         raise InvalidArgumentError(f"shape key capacity_factor={shape['capacity_factor']} must be positive")
-    tb = _block_size(t)
-    nb = t // tb
-    rd = routing_dims(tb, e, k, shape) if e else None
-    cap = _capacity(tb, e, k, shape["capacity_factor"]) if e else 0
-    sram_cap = int(spec.sram.scratchpad_bytes * _SRAM_SHARE)
+    sram_cap, acc_cap = budget.sram_bytes, budget.acc_bytes
     r_parts = -(-e // 128) if e else 0
     while r_parts and e % r_parts:
         r_parts += 1
     ew = e // r_parts if e else 0
-    best: tuple[float, int, GatherPlan] | None = None
-    n = 0
-    for w, hb, shared_rows, i_range, fallbacks in _candidates(shape):
-        slices = _slices(i, w)
-        ranges = _ranges(len(slices), w, i_range)
-        for nbuf, max_rows in fallbacks:  # the first that fits is the best of these
-            n += 1
-            items = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges, max_rows)
-            hc, ng = _combine_split(h, tb, nb, (k if e else 0) + s * len(ranges), spec.core.count, sram_cap)
-            p = _make_plan(shape, spec, tb, cap, slices, bias, r_parts, ew, rd, items, hb, (hc, ng),
-                           s * len(ranges), nbuf)
-            r_max, i_max = _r_i_max(p)
-            if _sram_bytes(p, shape, r_max, i_max) > sram_cap or \
-                    _acc_bytes(p, r_max) > spec.sram.accumulator_bytes:
-                continue
-            est = _estimate(p, spec, act_fmt)
-            if best is None or est < best[0]:
-                best = (est, n, p)
-            break
-    if best is None:
-        raise InvalidArgumentError(
-            f"shape key hidden={h} (tokens={t}, grouping=gather): no split of the expert work fits a "
-            f"core's {spec.sram.scratchpad_bytes:,} B of scratchpad")
-    p = best[2]
-    return GatherPlan(**{**p.__dict__, "item_core": tuple(_assign(p, spec, act_fmt))})
+    why = "no split fits"
+    for tb in _block_sizes(t):
+        nb = t // tb
+        rd = routing_dims(tb, e, k, shape) if e else None
+        cap = _capacity(tb, e, k, shape["capacity_factor"]) if e else 0
+        best: tuple[float, int, GatherPlan] | None = None
+        n = 0
+        for w, hb, shared_rows, i_range, fallbacks in _candidates(shape):
+            slices = slices_of(i, w)
+            ranges = _ranges(len(slices), w, i_range)
+            for nbuf, max_rows in fallbacks:  # the first that fits is the best of these
+                n += 1
+                items = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges, max_rows)
+                p = _make_plan(shape, budget, tb, cap, slices, bias, r_parts, ew, rd, items, hb,
+                               (k if e else 0) + s * len(ranges), s * len(ranges), nbuf)
+                if p is None:
+                    why = f"tokens per block={tb}: x, the router panels or the routing do not fit"
+                    break
+                r_max, i_max = _r_i_max(p)
+                need, acc = _sram_bytes(p, shape, r_max, i_max), _acc_bytes(p, r_max)
+                if need > sram_cap or acc > acc_cap:
+                    why = f"{max(need, sram_cap):,} B of scratchpad, {acc:,} B of accumulators"
+                    continue
+                est = _estimate(p, spec, act_fmt)
+                if best is None or est < best[0]:
+                    best = (est, n, p)
+                break
+        if best is not None:
+            p = best[2]
+            return GatherPlan(**{**p.__dict__, "item_core": tuple(_assign(p, spec, act_fmt))})
+    raise DoesNotFit(
+        f"shape key hidden={h} (tokens={t}, grouping=gather): no split of the expert work fits the "
+        f"{sram_cap:,} B of scratchpad and {acc_cap:,} B of accumulators {spec.name} plans with ({why})")
 
 
 def _ranges(n_slices: int, w: int, i_range: int) -> list[tuple[int, ...]]:
@@ -319,11 +316,11 @@ def _ranges(n_slices: int, w: int, i_range: int) -> list[tuple[int, ...]]:
     return [tuple(range(j, min(n_slices, j + per))) for j in range(0, n_slices, per)]
 
 
-def _combine_split(h: int, tb: int, nb: int, terms: int, cores: int, sram_cap: int) -> tuple[int, int]:
+def _combine_split(h: int, tb: int, nb: int, terms: int, cores: int, room: int) -> tuple[int, int]:
     """(columns per combine item, buffers): up to 4 terms in flight; narrow enough that every core
-    gets an item when there are few blocks, wide enough to fit (multiples of 128)."""
+    gets an item when there are few blocks, wide enough to fit ``room`` bytes (multiples of 128)."""
     ng = min(terms, 4)
-    fit = sram_cap // (4 * tb * (ng + 1) + 2 * tb + 1) // 128 * 128
+    fit = room // (4 * tb * (ng + 1) + 2 * tb + 1) // 128 * 128
     spread = h // -(-cores // nb) // 128 * 128
     return min(h, max(128, min(fit, max(128, spread)))), ng
 
@@ -345,17 +342,37 @@ def _candidates(shape: dict[str, Any]):
                 yield w, hb, rows, rng, fallbacks
 
 
-def _make_plan(shape, spec, tb, cap, slices, bias, r_parts, ew, rd, items, hb, combine, n_partials,
-               nbuf) -> GatherPlan:
-    hc, ng = combine
+def _make_plan(shape, budget: Budget, tb, cap, slices, bias, r_parts, ew, rd, items, hb, terms, n_partials,
+               nbuf) -> GatherPlan | None:
+    """The plan with the combine columns, x's quantisation step and the router's K panel sized to
+    the scratchpad the plain tiles leave; None when x's rows or the routing do not fit at all."""
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     down_blocks = tuple((h0, min(hb, h - h0)) for h0 in range(0, h, hb))
     gu_off, gu_sizes, down_off, expert_bytes = split_layout(h, i, tuple(slices), down_blocks, bias)
-    cores = spec.core.count
-    return GatherPlan(t, h, i, e, k, shape["shared_experts"], e, tuple(slices), tuple(gu_off),
-                      tuple(gu_sizes), expert_bytes, bias, r_parts, ew, rd, tb, cap, tuple(items),
-                      (0,) * len(items), cores, hb, hc, n_partials, nbuf, -(-t // cores), down_blocks,
-                      tuple(down_off), ng)
+    cores = budget.cores
+    quant_rows = -(-t // cores)
+    p = GatherPlan(t=t, h=h, i=i, e=e, k=k, s=shape["shared_experts"], d=e, slices=tuple(slices),
+                   chunk_off=tuple(gu_off), chunk_sizes=tuple(gu_sizes), expert_bytes=expert_bytes,
+                   expert_bias=bias, router_parts=r_parts, router_cols=ew, rd=rd, down_blocks=down_blocks,
+                   down_off=tuple(down_off), tb=tb, cap=cap, items=tuple(items), item_core=(0,) * len(items),
+                   cores=cores, hb=hb, hc=128, n_partials=n_partials, nbuf=nbuf, quant_rows=quant_rows,
+                   quant_step=quant_rows, rk=min(h, _ROUTER_PANEL), ng=min(terms, 4))
+    room = budget.sram_bytes - layout_bytes(_plain_specs(p)) - 64 * 8
+    hc, ng = _combine_split(h, tb, t // tb, terms, cores, room)
+    fmt = shape["act_fmt"]
+    step = quant_rows
+    while step > 1 and layout_bytes(_quant_specs(p.t, h, step, fmt)) > room:
+        step = -(-step // 2)
+    if layout_bytes(_quant_specs(p.t, h, step, fmt)) > room:
+        return None
+    rk = min(h, _ROUTER_PANEL)
+    while True:
+        q = GatherPlan(**{**p.__dict__, "hc": hc, "ng": ng, "quant_step": step, "rk": rk})
+        if layout_bytes(_route_specs(q, shape)) <= room:
+            return q
+        if rk <= 32:
+            return None
+        rk = max(32, rk // 2 // 32 * 32)
 
 
 def _lpt(costs: list[float], cores: int) -> tuple[list[int], float]:
@@ -371,29 +388,25 @@ def _lpt(costs: list[float], cores: int) -> tuple[list[int], float]:
 
 def _assign(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> list[int]:
     """The items' cores (``_lpt`` of their estimated times)."""
-    return _lpt([_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt) for it in p.items], p.cores)[0]
+    return _lpt([_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt, p.cores) for it in p.items],
+                p.cores)[0]
 
 
 # --- per-core buffers -------------------------------------------------------------------------
-_Spec = tuple[str, str, tuple[int, int]]
+def _quant_specs(t: int, h: int, step: int, fmt: str) -> list[Spec]:
+    """Phase 1 (x quantised, ``step`` rows at a time): dead once the core's rows are stored."""
+    return [("xin", "bf16", (min(t, step), h)), *mx_specs("xqt", fmt, min(t, step), h)]
 
 
-def _mx(name: str, fmt: str, rows: int, cols: int) -> list[_Spec]:
-    """Codes and scales of an MX tile blocked along columns (bf16: a plain tile)."""
-    if fmt == "bf16":
-        return [(name, "bf16", (rows, cols))]
-    return [(f"{name}.c", fmt, (rows, cols)), (f"{name}.s", "e8m0", (rows, cols // 32))]
-
-
-def _route_specs(p: GatherPlan, shape: dict[str, Any]) -> list[_Spec]:
-    """Phases 1-3 (x quantisation, router, routing, lists): dead once every list is stored."""
-    t_q, h, tb, e, k = p.quant_rows, p.h, p.tb, p.e, p.k
-    out: list[_Spec] = [("xin", "bf16", (t_q, h)), *_mx("xqt", shape["act_fmt"], t_q, h)]
+def _route_specs(p: GatherPlan, shape: dict[str, Any]) -> list[Spec]:
+    """Phases 2-3 (router in K panels, routing, lists): dead once every list is stored."""
+    h, tb, e, k = p.h, p.tb, p.e, p.k
     if not e:
-        return out
+        return []
     rd = p.rd
     n_router = -(-len(p.router_items()) // p.cores)
-    out += [("xr", "bf16", (tb, h)), ("wr", "bf16", (h, p.router_cols))]
+    out: list[Spec] = [(f"xr{b}", "bf16", (tb, p.rk)) for b in range(2)]
+    out += [(f"wr{b}", "bf16", (p.rk, p.router_cols)) for b in range(2)]
     out += [(f"lp{n}", "f32", (tb, p.router_cols)) for n in range(n_router)]
     out += [spec for spec in routing_buffers(rd, 0) if spec[0] not in ("idx", "gw", "slot_ids", "slot_w")]
     rows_w = tb + rd.pad_e
@@ -410,14 +423,14 @@ def _route_specs(p: GatherPlan, shape: dict[str, Any]) -> list[_Spec]:
     return out
 
 
-def _expert_specs(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) -> list[_Spec]:
+def _expert_specs(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) -> list[Spec]:
     """Phase 4 (expert items)."""
     h, smax, fmt = p.h, p.slice_max, shape["act_fmt"]
     gu_max = max(p.chunk_sizes)
     wd_bytes = i_max * p.hb // 2 + (i_max // 32) * p.hb
-    out: list[_Spec] = []
+    out: list[Spec] = []
     for par in range(2):
-        out += _mx(f"X{par}", fmt, r_max, h) + _mx(f"A{par}", fmt, r_max, i_max)
+        out += mx_specs(f"X{par}", fmt, r_max, h) + mx_specs(f"A{par}", fmt, r_max, i_max)
         out += [(f"lid{par}", "i32", (1, r_max)), (f"lw{par}", "f32", (1, r_max)),
                 (f"wd{par}", "u8", (1, wd_bytes)), (f"ot{par}", "f32", (r_max, p.hb))]
     out += [(f"wgu{b}", "u8", (1, gu_max)) for b in range(p.nbuf)]
@@ -430,25 +443,22 @@ def _expert_specs(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) 
     return out
 
 
-def _combine_specs(p: GatherPlan) -> list[_Spec]:
+def _combine_specs(p: GatherPlan) -> list[Spec]:
     """Phase 5 (combine)."""
     tb, hc = p.tb, p.hc
     return [*((f"g{n}", "f32", (tb, hc)) for n in range(p.ng)), ("ysum", "f32", (tb, hc)),
             ("ybuf", "bf16", (tb, hc)), ("crl", "i32", (tb, max(p.k, 1)))]
 
 
-def _aligned(dtype: str, shape: tuple[int, int]) -> int:
-    return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
+def _layouts(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) -> list[list[Spec]]:
+    return [_quant_specs(p.t, p.h, p.quant_step, shape["act_fmt"]), _route_specs(p, shape),
+            _expert_specs(p, shape, r_max, i_max), _combine_specs(p)]
 
 
-def _layout_bytes(specs: list[_Spec]) -> int:
-    return sum(_aligned(dt, sh) for _, dt, sh in specs)
-
-
-def _plain_specs(p: GatherPlan) -> list[_Spec]:
+def _plain_specs(p: GatherPlan) -> list[Spec]:
     """Tiles live across phases: a slice of x that constants are clamped from (the ISA has no
     immediate fill), and each routed block's combine rows (read by the combine items)."""
-    out: list[_Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
+    out: list[Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
     if p.e:
         n_route = max(sum(1 for b in range(p.nb) if p.routing_core(b) == c) for c in range(p.cores))
         out += [(f"cr{n}", "i32", (p.tb, p.k)) for n in range(max(1, n_route))]
@@ -456,9 +466,8 @@ def _plain_specs(p: GatherPlan) -> list[_Spec]:
 
 
 def _sram_bytes(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) -> int:
-    union = max(_layout_bytes(_route_specs(p, shape)), _layout_bytes(_expert_specs(p, shape, r_max, i_max)),
-                _layout_bytes(_combine_specs(p)))
-    return union + _layout_bytes(_plain_specs(p)) + 64 * 8
+    union = max(layout_bytes(lay) for lay in _layouts(p, shape, r_max, i_max))
+    return union + layout_bytes(_plain_specs(p)) + 64 * 8
 
 
 def _acc_bytes(p: GatherPlan, r_max: int) -> int:
@@ -470,25 +479,29 @@ def _r_i_max(p: GatherPlan) -> tuple[int, int]:
             max(sum(p.slices[j][1] for j in it.slices) for it in p.items))
 
 
-def _alloc(kb: KernelBuilder, c: int, p: GatherPlan, shape: dict[str, Any]) -> dict[str, Any]:
-    """Core c's tiles: one region for the three phase layouts (each dead before the next starts:
+def _alloc(kb: Any, c: int, p: GatherPlan, shape: dict[str, Any], keep_y: bool) -> dict[str, Any]:
+    """Core c's tiles: one region for the four phase layouts (each dead before the next starts:
     the semaphores that order the phases order the reuse; the checker verifies it), plus the
-    combine rows of the blocks it routes."""
+    combine rows of the blocks it routes; ``keep_y``: each combine item's y block in a buffer of
+    its own (an output kept on chip outlives the region)."""
     r_max, i_max = _r_i_max(p)
-    layouts = [_route_specs(p, shape), _expert_specs(p, shape, r_max, i_max), _combine_specs(p)]
-    region = kb.sram(c, "phases", (1, max(_layout_bytes(lay) for lay in layouts)), "u8")
+    layouts = _layouts(p, shape, r_max, i_max)
+    region = kb.sram(c, "phases", (1, max(layout_bytes(lay) for lay in layouts)), "u8")
     B: dict[str, Any] = {}
     for lay in layouts:
         off = 0
         for name, dt, sh in lay:
-            B[name] = Tile(region.space, region.core, region.offset + off, dt, *sh)
-            off += _aligned(dt, sh)
+            B[name] = view(region, off, dt, *sh)
+            off += aligned(dt, sh)
     for name, dt, sh in _plain_specs(p):
         B[name] = kb.sram(c, name, sh, dt)
     for name in [n[:-2] for n in list(B) if n.endswith(".c")]:
         B[name] = MXTensor(B.pop(f"{name}.c"), B.pop(f"{name}.s"), 1)
     if p.e:  # the routing's per-token ids and weights are the token rows of the lists' vec.group
         B["idx"], B["gw"] = B["wsrc"].sub(0, 0, p.tb, p.k), B["ww"].sub(0, 0, p.tb, p.k)
+    if keep_y:
+        for ci, (_, _, hw) in enumerate(p.combine_items()[c::p.cores]):
+            B[f"y{ci}"] = kb.sram(c, f"y{ci}", (p.tb, hw), "bf16", keep=True)
     B["acc_gu"] = [kb.acc(c, f"acc_gu{b}", (r_max, 2 * p.slice_max)) for b in range(2)]
     B["acc_o"] = [kb.acc(c, f"acc_o{b}", (r_max, p.hb)) for b in range(2)]
     if p.e:
@@ -497,10 +510,34 @@ def _alloc(kb: KernelBuilder, c: int, p: GatherPlan, shape: dict[str, Any]) -> d
 
 
 # --- the program ------------------------------------------------------------------------------
+def gather_tensors(p: GatherPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
+    """The gather program's HBM tensors, in the order its stand-alone program allocates them: x, y,
+    the scratch xq, the router panels and biases, the packed tables, the scratch token lists and
+    output row tables."""
+    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
+    out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output"),
+           TensorSpec("xq", (t, h), fmt, "scratch", None if fmt == "bf16" else 1)]
+    if e:
+        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
+        if rd.router == "softmax_topk":
+            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
+        if rd.score_bias:
+            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
+        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
+    if p.s:
+        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    if e:
+        out += [TensorSpec("list_ids", (e, p.nb * p.cap), "i32", "scratch"),
+                TensorSpec("list_weights", (e, p.nb * p.cap), "f32", "scratch"),
+                TensorSpec("routed_out", (p.nb * p.o_rows, h), "f32", "scratch")]
+    if p.n_partials:
+        out.append(TensorSpec("shared_out", (p.n_partials * t, h), "f32", "scratch"))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class _Hbm:
-    x: Tile
-    y: Tile
+    x: TensorRef
     xq: MXTensor | Tile
     router: Tile | None
     router_bias: Tile | None
@@ -513,74 +550,47 @@ class _Hbm:
     o_sh: Tile | None
 
 
-def _hbm(kb: KernelBuilder, p: GatherPlan, shape: dict[str, Any]) -> _Hbm:
-    t, h, e, rd = p.t, p.h, p.e, p.rd
-    x = kb.hbm("x", (t, h), "bf16")
-    xq = x if shape["act_fmt"] == "bf16" else kb.hbm_mx("xq", (t, h), shape["act_fmt"], axis=1)
-    return _Hbm(
-        x=x, y=kb.hbm("y", (t, h), "bf16"), xq=xq,
-        router=kb.hbm("router", (p.router_parts * h, p.router_cols), "bf16") if e else None,
-        router_bias=kb.hbm("router_bias", (1, e), "bf16") if e and rd.router == "softmax_topk" else None,
-        score_bias=kb.hbm("score_bias", (1, e), "f32") if e and rd.score_bias else None,
-        experts=kb.hbm("experts", (e, p.expert_bytes), "u8") if e else None,
-        shared=kb.hbm("shared", (p.s, p.expert_bytes), "u8") if p.s else None,
-        lid=kb.hbm("list_ids", (e, p.nb * p.cap), "i32") if e else None,
-        lw=kb.hbm("list_weights", (e, p.nb * p.cap), "f32") if e else None,
-        o_blk=kb.hbm("routed_out", (p.nb * p.o_rows, h), "f32") if e else None,
-        o_sh=kb.hbm("shared_out", (p.n_partials * t, h), "f32") if p.n_partials else None)
+def _hbm(shape: dict[str, Any], t: dict[str, TensorRef]) -> _Hbm:
+    def tile(name: str) -> Any:
+        ref = t.get(name)
+        if ref is None:
+            return None
+        return MXTensor(ref.base, ref.base_scales, ref.mx_axis) if ref.is_mx else ref.base
 
-
-class _Counter:
-    """Signals issued so far per semaphore, so that waits name the right counts."""
-
-    def __init__(self, kb: KernelBuilder, prefix: str, names: tuple[str, ...]) -> None:
-        self.sem = {n: kb.semaphore(f"{prefix}.{n}") for n in names}
-        self.count = dict.fromkeys(names, 0)
-
-    def signal(self, eng: Any, name: str) -> int:
-        eng.signal(self.sem[name])
-        self.count[name] += 1
-        return self.count[name]
+    x = t["x"]
+    # bf16 activations: the items gather x's rows in place when it is an HBM input ready at the
+    # start, else from a copy in the scratch xq.
+    xq = x.base if shape["act_fmt"] == "bf16" and x.in_hbm and not x.waits() else tile("xq")
+    return _Hbm(x=x, xq=xq, router=tile("router"), router_bias=tile("router_bias"),
+                score_bias=tile("score_bias"), experts=tile("experts"), shared=tile("shared"),
+                lid=tile("list_ids"), lw=tile("list_weights"), o_blk=tile("routed_out"),
+                o_sh=tile("shared_out"))
 
 
 _QUEUE_SEMS = tuple(f"g_loaded{q}" for q in range(8))
-_CORE_SEMS = (*_QUEUE_SEMS, "qin", "qdone", "rload", "rmm", "rread", "pulled", "lists_vpu", "lists_stored",
-              "lidl", "x_ready", "gu_loaded", "gu_done", "gu_read", "acts_done", "wd_loaded", "down_done",
-              "ot_read", "ot_stored", "b2_loaded", "b2_used", "b2all_ready", "crl_ready", "gsum", "y_ready",
-              "y_stored", "consts", "csrc")
-
-
-def _view(t: Tile, off: int, dtype: str, rows: int, cols: int, stride: int = -1) -> Tile:
-    return Tile(t.space, t.core, t.offset + off, dtype, rows, cols, stride)
-
-
-def _mx_rows(x: MXTensor | Tile, r0: int, rows: int) -> MXTensor | Tile:
-    if isinstance(x, MXTensor):
-        return MXTensor(x.codes.sub(r0, 0, rows, x.codes.cols), x.scales.sub(r0, 0, rows, x.scales.cols), 1)
-    return x.sub(r0, 0, rows, x.cols)
-
-
-def _load_mx(q: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
-    if isinstance(dst, MXTensor):
-        q.load(dst.codes, src.codes)
-        q.load(dst.scales, src.scales)
-    else:
-        q.load(dst, src)
+_CORE_SEMS = (*_QUEUE_SEMS, "qin", "qdone", "qstored", "rload", "rmm", "rread", "pulled", "lists_vpu",
+              "lists_stored", "lidl", "x_ready", "gu_loaded", "gu_done", "gu_read", "acts_done", "wd_loaded",
+              "down_done", "ot_read", "ot_stored", "b2_loaded", "b2_used", "b2all_ready", "crl_ready", "gsum",
+              "y_ready", "y_stored", "consts", "csrc")
 
 
 class _Emitter:
     """Emits the five phases onto every core (module docstring)."""
 
-    def __init__(self, kb: KernelBuilder, p: GatherPlan, shape: dict[str, Any]) -> None:
-        self.kb, self.p, self.shape = kb, p, shape
-        self.hbm = _hbm(kb, p, shape)
-        self.nq = kb.chip.dma.queues_per_core
-        self.g = _Counter(kb, "all", ("xq_ready", "lists_ready", "experts_done"))
+    def __init__(self, ctx: EmitCtx, p: GatherPlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+                 outs: dict[str, Out]) -> None:
+        kb = self.kb = ctx.kb
+        self.p, self.shape = p, shape
+        self.y_out = outs.get("y") or Out.onchip()
+        self.hbm = _hbm(shape, tensors)
+        self.nq = ctx.spec.dma.queues_per_core
+        self.waited: dict[Any, set[Ready]] = {}
+        self.g = Counter(kb, "all", ("xq_ready", "lists_ready", "experts_done"))
         self.logits_sem = [kb.semaphore(f"logits{b}") for b in range(p.nb)] if p.e else []
         self.quant_cores = [c for c in range(p.cores) if c * p.quant_rows < p.t] \
-            if shape["act_fmt"] != "bf16" else []
-        self.B = {c: _alloc(kb, c, p, shape) for c in range(p.cores)}
-        self.S = {c: _Counter(kb, f"c{c}", _CORE_SEMS) for c in range(p.cores)}
+            if self.hbm.xq is not self.hbm.x.base else []
+        self.B = {c: _alloc(kb, c, p, shape, not self.y_out.in_hbm) for c in range(p.cores)}
+        self.S = {c: Counter(kb, f"c{c}", _CORE_SEMS) for c in range(p.cores)}
         # where each router item's logits panel lives: (core, buffer index on that core)
         self.panel_at: dict[tuple[int, int], tuple[int, int]] = {}
         per_core: dict[int, int] = {}
@@ -598,14 +608,30 @@ class _Emitter:
     def q(self, c: int, i: int) -> Any:
         return self.kb.core(c).dma[i % self.nq]
 
+    def outputs(self) -> dict[str, TensorRef]:
+        """y: each combine item's block ready when stored (HBM) or written (kept on chip)."""
+        p = self.p
+        pieces, ref = [], self.y_out.ref
+        for c in range(p.cores):
+            for ci, (b, h0, hw) in enumerate(p.combine_items()[c::p.cores]):
+                if self.y_out.in_hbm:
+                    ref = ref.with_ready(b * p.tb, h0, p.tb, hw, (self.S[c].sem["y_stored"].id, ci + 1))
+                else:
+                    pieces.append(Piece(b * p.tb, h0, p.tb, hw, self.B[c][f"y{ci}"], None,
+                                        (self.S[c].sem["y_ready"].id, ci + 1)))
+        return {"y": ref if self.y_out.in_hbm else TensorRef.onchip("y", (p.t, p.h), "bf16", pieces)}
+
     def emit(self) -> None:
         p = self.p
         for c in range(p.cores):
             q1 = self.q(c, 1)
-            q1.load(self.B[c]["csrc"], self.hbm.x.sub(0, 0, min(p.t, 32), min(p.h, 512)))
+            fetch(q1, self.B[c]["csrc"], self.hbm.x, 0, 0, waited=self.waited)
             self.S[c].signal(q1, "csrc")
             self.kb.core(c).vpu.wait(self.S[c].sem["csrc"], 1)
-            self.quantise(c)
+            steps = self.quantise(c)
+            if steps:  # the phase-1 tiles are reused by the router and the routing
+                for eng in (q1, self.kb.core(c).vpu):
+                    eng.wait(self.S[c].sem["qstored"], steps)
             if self.p.e:
                 self.router(c)
                 self.routing(c)
@@ -613,42 +639,66 @@ class _Emitter:
             self.combine(c)
 
     # --- phase 1: x quantised once ------------------------------------------------------------
-    def quantise(self, c: int) -> None:
+    def quantise(self, c: int) -> int:
+        """Core c's rows of x, ``quant_step`` at a time, quantised (bf16: copied) into xq; returns
+        the steps."""
         if c not in self.quant_cores:
-            return
+            return 0
         p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
-        r0 = c * p.quant_rows
-        n = min(p.quant_rows, p.t - r0)
-        xin, xqt = B["xin"].sub(0, 0, n, p.h), _mx_rows(B["xqt"], 0, n)
-        self.q(c, 1).load(xin, self.hbm.x.sub(r0, 0, n, p.h))
-        S.signal(self.q(c, 1), "qin")
-        v.wait(S.sem["qin"], 1)
-        v.quantize(xqt.codes, xqt.scales, xin)
-        S.signal(v, "qdone")
-        q2 = self.q(c, 2)
-        q2.wait(S.sem["qdone"], 1)
-        dst = _mx_rows(self.hbm.xq, r0, n)
-        q2.store(dst.codes, xqt.codes)
-        q2.store(dst.scales, xqt.scales)
+        bf16 = self.shape["act_fmt"] == "bf16"
+        q1, q2 = self.q(c, 1), self.q(c, 2)
+        lo, hi = c * p.quant_rows, min(p.t, (c + 1) * p.quant_rows)
+        steps = 0
+        for n, r0 in enumerate(range(lo, hi, p.quant_step)):
+            rows = min(p.quant_step, hi - r0)
+            xin, xqt = B["xin"].sub(0, 0, rows, p.h), mx_rows(B["xqt"], 0, rows)
+            if n:  # the previous step's rows are stored (bf16: their store has read xin)
+                q1.wait(S.sem["qstored"], n)
+            fetch(q1, xin, self.hbm.x, r0, 0, waited=self.waited)
+            S.signal(q1, "qin")
+            dst = mx_rows(self.hbm.xq, r0, rows)
+            if bf16:
+                q2.wait(S.sem["qin"], n + 1)
+                q2.store(dst, xin)
+            else:
+                v.wait(S.sem["qin"], n + 1)
+                if n:  # the previous step's store has read xqt
+                    v.wait(S.sem["qstored"], n)
+                v.quantize(xqt.codes, xqt.scales, xin)
+                S.signal(v, "qdone")
+                q2.wait(S.sem["qdone"], n + 1)
+                q2.store(dst.codes, xqt.codes)
+                q2.store(dst.scales, xqt.scales)
+            S.signal(q2, "qstored")
+            steps += 1
         self.g.signal(q2, "xq_ready")
+        return steps
 
     # --- phase 2: router panels ---------------------------------------------------------------
     def router(self, c: int) -> None:
+        """Core c's router items (block, column panel): x_b @ Wr[:, panel] in K panels of ``rk``
+        rows (double-buffered; FP32 sums in K order, as one pass), the logits into an ``lp``."""
         p, B, S, core = self.p, self.B[c], self.S[c], self.kb.core(c)
         mine = [(n, b, r) for n, (b, r) in enumerate(p.router_items()) if n % p.cores == c]
         q1, m, v = self.q(c, 1), core.mxu, core.vpu
+        panels = [(k0, min(p.rk, p.h - k0)) for k0 in range(0, p.h, p.rk)]
+        step = 0
         for k_, (_, b, r) in enumerate(mine):
-            if k_:  # the previous matmul has read xr and wr
-                q1.wait(S.sem["rmm"], k_)
-            q1.load(B["xr"], self.hbm.x.sub(b * p.tb, 0, p.tb, p.h))
-            q1.load(B["wr"], self.hbm.router.sub(r * p.h, 0, p.h, p.router_cols))
-            S.signal(q1, "rload")
-            m.wait(S.sem["rload"], k_ + 1)
-            if k_:  # the vector unit has read the accumulators
-                m.wait(S.sem["rread"], k_)
-            m.matmul(B["acc_r"], B["xr"], B["wr"], mode="overwrite")
-            S.signal(m, "rmm")
-            v.wait(S.sem["rmm"], k_ + 1)
+            for kk, (k0, kw) in enumerate(panels):
+                buf = step % 2
+                if step >= 2:  # the matmul of step - 2 has read these buffers
+                    q1.wait(S.sem["rmm"], step - 1)
+                xr, wr = B[f"xr{buf}"].sub(0, 0, p.tb, kw), B[f"wr{buf}"].sub(0, 0, kw, p.router_cols)
+                fetch(q1, xr, self.hbm.x, b * p.tb, k0, waited=self.waited)
+                q1.load(wr, self.hbm.router.sub(r * p.h + k0, 0, kw, p.router_cols))
+                S.signal(q1, "rload")
+                m.wait(S.sem["rload"], step + 1)
+                if kk == 0 and k_:  # the vector unit has read the accumulators
+                    m.wait(S.sem["rread"], k_)
+                m.matmul(B["acc_r"], xr, wr, mode="overwrite" if kk == 0 else "accumulate")
+                S.signal(m, "rmm")
+                step += 1
+            v.wait(S.sem["rmm"], step)
             v.acc_read(B[f"lp{self.panel_at[(b, r)][1]}"], B["acc_r"])
             S.signal(v, "rread")
             v.signal(self.logits_sem[b])
@@ -702,7 +752,7 @@ class _Emitter:
         of its [k + E*C + tb, 1] id and weight columns."""
         p = self.p
         pts, ptw = B["pts"], B["ptw"]
-        return {"lid": _view(pts, p.k * 4, "i32", p.e, p.cap), "vals": _view(ptw, p.k * 4, "f32", p.e, p.cap)}
+        return {"lid": view(pts, p.k * 4, "i32", p.e, p.cap), "vals": view(ptw, p.k * 4, "f32", p.e, p.cap)}
 
     def routing_constants(self, c: int) -> None:
         """Made once per routing core (no immediates): the pad rows of every vec.group (each id
@@ -788,16 +838,16 @@ class _Emitter:
         if n >= 2:  # item n-2's activations are done: its x rows, ids and weights are free
             q1.wait(S.sem["acts_done"], n - 1)
         if it.shared:
-            _load_mx(q1, _mx_rows(X, 0, rows), _mx_rows(self.hbm.xq, it.row0, rows))
+            load_mx(q1, mx_rows(X, 0, rows), mx_rows(self.hbm.xq, it.row0, rows))
         else:
             col0 = it.blocks[0] * p.cap
             q1.load(B[f"lid{par}"].sub(0, 0, 1, rows), self.hbm.lid.sub(it.expert, col0, 1, rows))
             q1.load(B[f"lw{par}"].sub(0, 0, 1, rows), self.hbm.lw.sub(it.expert, col0, 1, rows))
             q1.wait(S.sem["lidl"], S.signal(q1, "lidl"))  # the gathers read the ids just loaded
-            ids = _view(B[f"lid{par}"], 0, "i32", rows, 1)
+            ids = view(B[f"lid{par}"], 0, "i32", rows, 1)
             for i, b in enumerate(it.blocks):
-                src = _mx_rows(self.hbm.xq, b * p.tb, p.tb)
-                dst = _mx_rows(X, i * p.cap, p.cap)
+                src = mx_rows(self.hbm.xq, b * p.tb, p.tb)
+                dst = mx_rows(X, i * p.cap, p.cap)
                 idx = ids.sub(i * p.cap, 0, p.cap, 1)
                 if isinstance(dst, MXTensor):
                     q1.gather(dst.codes, src.codes, idx)
@@ -812,13 +862,13 @@ class _Emitter:
 
     def _gu_view(self, buf: Tile, w: int) -> tuple[MXTensor, Tile | None]:
         h = self.p.h
-        gu = MXTensor(_view(buf, 0, "fp4", h, 2 * w), _view(buf, h * w, "e8m0", h // 32, 2 * w), 0)
-        gub = _view(buf, h * w + (h // 32) * 2 * w, "bf16", 1, 2 * w) if self.p.expert_bias else None
+        gu = MXTensor(view(buf, 0, "fp4", h, 2 * w), view(buf, h * w, "e8m0", h // 32, 2 * w), 0)
+        gub = view(buf, h * w + (h // 32) * 2 * w, "bf16", 1, 2 * w) if self.p.expert_bias else None
         return gu, gub
 
     def _wd_view(self, buf: Tile, i_rows: int, hw: int) -> MXTensor:
-        scales = _view(buf, i_rows * hw // 2, "e8m0", i_rows // 32, hw)
-        return MXTensor(_view(buf, 0, "fp4", i_rows, hw), scales, 0)
+        scales = view(buf, i_rows * hw // 2, "e8m0", i_rows // 32, hw)
+        return MXTensor(view(buf, 0, "fp4", i_rows, hw), scales, 0)
 
     def _item_weights(self, c: int, it: GatherItem, q0: Any, ctr: dict[str, int]) -> None:
         """Queue 0: each slice's gate|up segment (with its bias), the down bias, then the down
@@ -833,7 +883,7 @@ class _Emitter:
             if gi >= 2:  # two loads in flight
                 q0.wait(S.sem["gu_loaded"], gi - 1)
             size = p.chunk_sizes[j]
-            q0.load(_view(buf, 0, "u8", 1, size), Tile(Space.HBM, 0, base + p.chunk_off[j], "u8", 1, size))
+            q0.load(view(buf, 0, "u8", 1, size), Tile(Space.HBM, 0, base + p.chunk_off[j], "u8", 1, size))
             S.signal(q0, "gu_loaded")
             ctr["gi"] += 1
         if it.bias:
@@ -861,7 +911,7 @@ class _Emitter:
         down-bias matmul)."""
         p, B, S = self.p, self.B[c], self.S[c]
         par, rows = n % 2, it.rows
-        X, A = _mx_rows(B[f"X{par}"], 0, rows), B[f"A{par}"]
+        X, A = mx_rows(B[f"X{par}"], 0, rows), B[f"A{par}"]
         m.wait(S.sem["x_ready"], n + 1)
         for j in it.slices:
             w, gi = p.slices[j][1], ctr["gi"]
@@ -897,7 +947,7 @@ class _Emitter:
         p, B, S, shape = self.p, self.B[c], self.S[c], self.shape
         par, rows, nh = n % 2, it.rows, len(hblocks)
         gu, tmp, A = B["gu"], B["tmp"], B[f"A{par}"]
-        weight = None if it.shared else _view(B[f"lw{par}"], 0, "f32", rows, 1)
+        weight = None if it.shared else view(B[f"lw{par}"], 0, "f32", rows, 1)
         loc = 0
         for j in it.slices:
             w, gi = p.slices[j][1], ctr["gi"]
@@ -908,7 +958,7 @@ class _Emitter:
             if p.expert_bias:
                 _, gub = self._gu_view(B[f"wgu{gi % p.nbuf}"], w)
                 v.add(gu.sub(0, 0, rows, 2 * w), gu.sub(0, 0, rows, 2 * w), gub)
-            _activation(v, B, g_t, u_t, a_t, w, shape["activation"])
+            emit_activation(v, B.get("ones"), g_t, u_t, a_t, shape["activation"])
             if weight is not None:
                 v.mul(a_t, a_t, weight)
             if loc == 0 and n >= 2:  # item n-2's down matmuls have read A
@@ -926,10 +976,10 @@ class _Emitter:
                 v.wait(S.sem["down_done"], n * nh)
             src = weight if weight is not None else B["onecol"].sub(0, 0, rows, 1)
             res = B["bres"].sub(0, 0, rows, 1)
-            for part in range(_BIAS_PARTS):  # hi, mid, lo BF16 parts: exact for an FP32 weight
+            for part in range(BIAS_PARTS):  # hi, mid, lo BF16 parts: exact for an FP32 weight
                 col = B["wall"].sub(0, part, rows, 1)
                 v.copy(col, src)
-                if part < _BIAS_PARTS - 1:
+                if part < BIAS_PARTS - 1:
                     v.sub(res, src, col)
                     src = res
         S.signal(v, "acts_done")  # A is complete, and the item's x rows, ids and weights are free
@@ -937,7 +987,7 @@ class _Emitter:
             mi = ctr["mi"]
             if it.bias:
                 b2all = B[f"b2all{mi % 2}"]
-                for part in range(_BIAS_PARTS):
+                for part in range(BIAS_PARTS):
                     v.copy(b2all.sub(part, 0, 1, hw), B["b2"].sub(0, h0, 1, hw))
                 S.signal(v, "b2all_ready")
             v.wait(S.sem["down_done"], mi + 1)
@@ -1006,15 +1056,17 @@ class _Emitter:
                     if term < routed:
                         base = self.hbm.o_blk.offset + (b * p.o_rows * p.h + h0) * 4
                         table = Tile(Space.HBM, 0, base, "f32", p.o_rows, hw, p.h * 4)
-                        idx = _view(B["crl"], (r0 * p.k + term) * 4, "i32", nr, 1, p.k * 4)
+                        idx = view(B["crl"], (r0 * p.k + term) * 4, "i32", nr, 1, p.k * 4)
                         q.gather(g.sub(r0, 0, nr, hw), table, idx)
                     else:
                         src = self.hbm.o_sh.sub((term - routed) * p.t + b * p.tb + r0, h0, nr, hw)
                         q.load(g.sub(r0, 0, nr, hw), src)
                     S.signal(q, f"g_loaded{qi}")
                 ti += 1
-            ysum, ybuf = B["ysum"].sub(0, 0, p.tb, hw), B["ybuf"].sub(0, 0, p.tb, hw)
-            if ci:  # the previous y block is stored
+            keep = not self.y_out.in_hbm
+            ysum = B["ysum"].sub(0, 0, p.tb, hw)
+            ybuf = B[f"y{ci}"] if keep else B["ybuf"].sub(0, 0, p.tb, hw)
+            if ci and not keep:  # the previous y block is stored
                 v.wait(S.sem["y_stored"], ci)
             for term in range(terms):
                 t_i = first_ti + term
@@ -1028,34 +1080,13 @@ class _Emitter:
                     v.add(ybuf if last else ysum, ysum, g)
                 S.signal(v, "gsum")
             S.signal(v, "y_ready")
-            q2.wait(S.sem["y_ready"], ci + 1)
-            q2.store(self.hbm.y.sub(b * p.tb, h0, p.tb, hw), ybuf)
-            S.signal(q2, "y_stored")
-
-
-def _activation(v: Any, B: dict[str, Any], g_t: Tile, u_t: Tile, a_t: Tile, w: int, activation: str) -> None:
-    from .moe import SWIGLU_ALPHA, SWIGLU_LIMIT
-
-    if activation == "swiglu_oai":
-        v.clamp(g_t, g_t, float("-inf"), SWIGLU_LIMIT)
-        v.clamp(u_t, u_t, -SWIGLU_LIMIT, SWIGLU_LIMIT)
-        v.scale(a_t, g_t, SWIGLU_ALPHA)
-        v.sigmoid(a_t, a_t)
-        v.mul(a_t, g_t, a_t)
-        v.add(u_t, u_t, B["ones"].sub(0, 0, 1, w))
-        v.mul(a_t, a_t, u_t)
-    else:
-        v.silu(a_t, g_t)
-        v.mul(a_t, a_t, u_t)
+            if not keep:
+                q2.wait(S.sem["y_ready"], ci + 1)
+                q2.store(self.y_out.ref.hbm_view(b * p.tb, h0, p.tb, hw), ybuf)
+                S.signal(q2, "y_stored")
 
 
 # --- reference ------------------------------------------------------------------------------------
-def _quant(v: Any, act_fmt: str) -> Any:
-    from .moe import _MX_FMT
-
-    return v.astype(jnp.bfloat16) if act_fmt == "bf16" else mx.quantize(v, _MX_FMT[act_fmt], axis=1)
-
-
 def _rows(xq: Any, rows: np.ndarray) -> Any:
     if isinstance(xq, mx.MXArray):
         return mx.MXArray(codes=np.asarray(xq.codes)[rows], scales=np.asarray(xq.scales)[rows], fmt=xq.fmt,
@@ -1063,58 +1094,10 @@ def _rows(xq: Any, rows: np.ndarray) -> Any:
     return xq[rows]
 
 
-def _concat_cols(parts: list[Any]) -> Any:
-    if isinstance(parts[0], mx.MXArray):
-        return mx.MXArray(codes=np.concatenate([np.asarray(q.codes) for q in parts], axis=1),
-                          scales=np.concatenate([np.asarray(q.scales) for q in parts], axis=1),
-                          fmt=parts[0].fmt, axis=1, block_size=32)
-    return jnp.concatenate(parts, axis=1)
-
-
-def _expert_rows(p: GatherPlan, shape: dict[str, Any], xq_rows: Any, weights: tuple, biases: tuple | None,
-                 gate_w: np.ndarray | None, slices: tuple[int, ...], down_bias: bool) -> jax.Array:
-    """FP32 [R, H] output rows of one expert over an intermediate range, the device's operations
-    in its order: per slice gate|up (+ bias), activation, x gate weight, quantised; one down
-    matmul over the range; + the down-bias matmul (BF16 parts of the weights x the bias)."""
-    from .moe import _activation, _bf16_accumulate, _bias_parts, _inorder_jit, _mx_cols
-
-    act_fmt = shape["act_fmt"]
-    g, u, dn = weights
-    rows = xq_rows.codes.shape[0] if isinstance(xq_rows, mx.MXArray) else xq_rows.shape[0]
-
-    def mm(acc, a, b):
-        return _bf16_accumulate(acc, a, b) if act_fmt == "bf16" else mx.matmul_accumulate(acc, a, b)
-
-    acts, i0 = [], p.slices[slices[0]][0]
-    for j in slices:
-        c0, w = p.slices[j]
-        gu = mm(jnp.zeros((rows, 2 * w), jnp.float32), xq_rows, _mx_cols(g, u, c0, w))
-        if biases is not None:
-            gu = gu + jnp.asarray(np.concatenate([biases[0][c0:c0 + w], biases[1][c0:c0 + w]]))[None]
-        a = _activation(gu[:, :w], gu[:, w:], shape["activation"])
-        if gate_w is not None:
-            a = a * jnp.asarray(gate_w)[:, None]
-        acts.append(_quant(a, act_fmt))
-    i1 = p.slices[slices[-1]][0] + p.slices[slices[-1]][1]
-    d_w = mx.MXArray(codes=np.asarray(dn.codes)[i0:i1], scales=np.asarray(dn.scales)[i0 // 32:i1 // 32],
-                     fmt="e2m1", axis=0, block_size=32)
-    out = mm(jnp.zeros((rows, p.h), jnp.float32), _concat_cols(acts), d_w)
-    if down_bias:
-        wall = np.zeros((rows, 32), np.float32)
-        weight = gate_w if gate_w is not None else np.ones(rows, np.float32)
-        wall[:, :_BIAS_PARTS] = np.stack(_bias_parts(weight), axis=1)
-        b2all = np.zeros((32, p.h), np.float32)
-        b2all[:_BIAS_PARTS] = biases[2]
-        out = _inorder_jit(jnp.asarray(wall), jnp.asarray(b2all), out)
-    return out
-
-
 def _block_lists(p: GatherPlan, shape: dict[str, Any], inputs: dict[str, Any], x: jax.Array):
     """Per block: the sub-lists (ids [E, C], weights [E, C]); raises on a capacity overflow."""
-    from .moe import _inorder_jit
-
     wr = jnp.asarray(router_logical(np.asarray(inputs["router"]), p), jnp.float32)
-    logits = _inorder_jit(x, wr)
+    logits = inorder_jit(x, wr)
     lids, lws = [], []
     for b in range(p.nb):
         block = logits[b * p.tb:(b + 1) * p.tb]
@@ -1144,7 +1127,7 @@ def _dense_weights(ids: np.ndarray, w: np.ndarray, e: int) -> np.ndarray:
 def gather_reference(inputs: dict[str, Any], p: GatherPlan, shape: dict[str, Any]) -> dict[str, np.ndarray]:
     """Pure-JAX MoE with the gather program's numerics and orders; {"y": bf16 [T, H]}."""
     x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
-    xq = _quant(x, shape["act_fmt"])
+    xq = quant_reference(x, shape["act_fmt"])
     terms: list[list[jax.Array]] = [[] for _ in range(p.nb)]
     if p.e:
         lids, lws = _block_lists(p, shape, inputs, x)
@@ -1155,7 +1138,8 @@ def gather_reference(inputs: dict[str, Any], p: GatherPlan, shape: dict[str, Any
         for ex in range(p.e):
             rows = np.concatenate([b * p.tb + lids[b][ex] for b in range(p.nb)])
             gate_w = np.concatenate([lws[b][ex] for b in range(p.nb)])
-            out = np.asarray(_expert_rows(p, shape, _rows(xq, rows), routed[ex], routed_b[ex], gate_w,
+            out = np.asarray(expert_rows_reference(p, shape, _rows(xq, rows), routed[ex], routed_b[ex],
+                                                   gate_w,
                                           all_slices, p.expert_bias))
             for b in range(p.nb):
                 o_blk[b, p.k + ex * p.cap:p.k + (ex + 1) * p.cap] = out[b * p.cap:(b + 1) * p.cap]
@@ -1170,7 +1154,8 @@ def gather_reference(inputs: dict[str, Any], p: GatherPlan, shape: dict[str, Any
         shared_b = unpack_expert_biases(inputs["shared"], p) if p.expert_bias else [None] * p.s
         ranges = sorted({(it.out, it.slices, it.bias, it.expert) for it in p.items if it.shared})
         for _, slices, bias, sh in ranges:
-            out = np.asarray(_expert_rows(p, shape, xq, shared[sh], shared_b[sh], None, slices, bias))
+            out = np.asarray(expert_rows_reference(p, shape, xq, shared[sh], shared_b[sh], None, slices,
+                                                   bias))
             for b in range(p.nb):
                 terms[b].append(out[b * p.tb:(b + 1) * p.tb])
     y = []
@@ -1182,8 +1167,17 @@ def gather_reference(inputs: dict[str, Any], p: GatherPlan, shape: dict[str, Any
     return {"y": np.asarray(jnp.concatenate(y).astype(jnp.bfloat16))}
 
 
-def build_gather(shape: dict[str, Any], spec: ChipSpec, p: GatherPlan) -> KernelBuilder:
-    """The gather program for plan ``p`` (a KernelBuilder ready to ``build``)."""
-    kb = KernelBuilder(f"moe_gather_t{p.t}_h{p.h}_i{p.i}_e{p.e}_k{p.k}_c{p.cap}", chip=spec)
-    _Emitter(kb, p, shape).emit()
-    return kb
+def emit_gather(ctx: EmitCtx, p: GatherPlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+                outs: dict[str, Out]) -> Emitter:
+    """Emit the gather program for plan ``p`` (``plan_gather`` within ``ctx.budget``).
+
+    ``tensors``: a ref for every non-output tensor of ``gather_tensors`` (x in HBM, with readiness
+    regions, or on chip: its rows and panels are fetched); ``outs["y"]``: ``Out.to`` or
+    ``Out.onchip`` (each combine item's block kept where it is made). The prefetch part is empty:
+    the phases reuse one scratchpad region behind global semaphores. Yields/returns ``{"y": ...}``.
+    """
+    prog = _Emitter(ctx, p, shape, tensors, outs)
+    refs = prog.outputs()
+    yield refs
+    prog.emit()
+    return refs

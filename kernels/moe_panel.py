@@ -26,7 +26,7 @@ GPU kernels do:
 
 Terms are the shared experts first, then the D slots. Global semaphores separate the phases, so
 each core reuses one scratchpad region for the four phases' tiles. The reference
-(``panel_reference``) computes each term's rows with the gather program's ``_expert_rows`` (the
+(``panel_reference``) computes each term's rows with ``moe_base.expert_rows_reference`` (the
 same operations: per slice gate|up, activation, weight, quantisation; one down matmul; the bias
 matmul) and adds the terms in the same order.
 
@@ -47,13 +47,32 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
-from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
-from jalapeno_emu.isa.table import DTYPES, Space
+from jalapeno_emu.isa.builder import MXTensor
+from jalapeno_emu.isa.table import Space
 
+from .base import TensorSpec
+from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch
+from .moe_base import (
+    BIAS_PARTS,
+    Counter,
+    MoeLayout,
+    Spec,
+    aligned,
+    column,
+    emit_activation,
+    expert_rows_reference,
+    inorder_jit,
+    layout_bytes,
+    load_mx,
+    mx_cols,
+    mx_specs,
+    quant_reference,
+    slices_of,
+    store_mx,
+    view,
+)
 from .moe_pack import router_logical, split_layout, unpack_expert_biases, unpack_experts
 from .moe_routing import (
-    RoutingDims,
     emit_gating,
     emit_route_constants,
     fill_constant,
@@ -62,46 +81,27 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s
 
-__all__ = ["PanelPlan", "build_panel", "panel_reference", "plan_panel"]
+__all__ = ["PanelPlan", "emit_panel", "panel_reference", "panel_tensors", "plan_panel"]
 
-_SRAM_SHARE = 0.95
-_BIAS_PARTS = 3
 _NBUF = 3  # weight panels in flight per core (two loads ahead of the matrix unit)
 _NG = 4  # combine terms in flight per core
 _MAX_TOKENS = 128  # one matrix-unit row tile: every slot computes every token
 _MAX_INSTRUCTIONS = 300_000  # beyond this the estimate is penalised (build and timing time)
 
 
-@dataclass(frozen=True)
-class PanelPlan:
-    """The small-scratchpad slot program's layout (see the module docstring).
+@dataclass(frozen=True, kw_only=True)
+class PanelPlan(MoeLayout):
+    """The small-scratchpad slot program's layout (see the module docstring; ``MoeLayout``'s
+    fields, chunk_off/chunk_sizes locating the split layout's gate|up segments, plus):
 
-    Attributes (t, h, i, e, k, s, d, slices, chunk_off, chunk_sizes, expert_bytes, expert_bias,
-    router_parts, router_cols, rd, down_blocks, down_off keep their ``MoePlan`` / ``GatherPlan``
-    meaning; chunk_off/chunk_sizes locate the split layout's gate|up segments):
+    Attributes:
         cores: cores used. hk: gate|up K panel rows. ik: down I panel rows. rk: router K panel rows.
         tb: tokens routed per block. qc: x columns quantised per item. hc: combine columns per item.
         x_resident: each core keeps all of xq in its scratchpad (else K panels come from HBM).
     """
 
-    t: int
-    h: int
-    i: int
-    e: int
-    k: int
-    s: int
-    d: int
-    slices: tuple[tuple[int, int], ...]
-    chunk_off: tuple[int, ...]
-    chunk_sizes: tuple[int, ...]
-    expert_bytes: int
-    expert_bias: bool
-    router_parts: int
-    router_cols: int
-    rd: RoutingDims | None
-    down_blocks: tuple[tuple[int, int], ...]
-    down_off: tuple[int, ...]
     cores: int
     hk: int
     ik: int
@@ -115,11 +115,6 @@ class PanelPlan:
     def terms(self) -> int:
         """Shared experts plus expert slots."""
         return self.s + self.d
-
-    @property
-    def slice_max(self) -> int:
-        """Widest slice."""
-        return max(w for _, w in self.slices)
 
     @property
     def hb(self) -> int:
@@ -144,26 +139,9 @@ class PanelPlan:
 
 
 # --- sizes ----------------------------------------------------------------------------------------
-_Spec = tuple[str, str, tuple[int, int]]
-
-
-def _aligned(dtype: str, shape: tuple[int, int]) -> int:
-    return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
-
-
-def _bytes(specs: list[_Spec]) -> int:
-    return sum(_aligned(dt, sh) for _, dt, sh in specs)
-
-
-def _mx(name: str, fmt: str, rows: int, cols: int) -> list[_Spec]:
-    if fmt == "bf16":
-        return [(name, "bf16", (rows, cols))]
-    return [(f"{name}.c", fmt, (rows, cols)), (f"{name}.s", "e8m0", (rows, cols // 32))]
-
-
-def _route_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
+def _route_specs(p: PanelPlan, fmt: str) -> list[Spec]:
     """Phase 1: quantisation, router panels, routing (core 0)."""
-    out = [("xin", "bf16", (p.t, p.qc)), *_mx("xqt", fmt, p.t, p.qc)]
+    out = [("xin", "bf16", (p.t, p.qc)), *mx_specs("xqt", fmt, p.t, p.qc)]
     if not p.e:
         return out
     out += [(f"xr{b}", "bf16", (p.t, p.rk)) for b in range(2)]
@@ -182,23 +160,23 @@ def _dn_bytes(p: PanelPlan, hw: int) -> int:
     return p.ik * hw // 2 + (p.ik // 32) * hw
 
 
-def _gu_specs(p: PanelPlan, fmt: str, activation: str) -> list[_Spec]:
+def _gu_specs(p: PanelPlan, fmt: str, activation: str) -> list[Spec]:
     """Phase 2: gate|up items."""
     w = p.slice_max
-    out = _mx("xres", fmt, p.t, p.h) if p.x_resident else \
-        [spec for b in range(_NBUF) for spec in _mx(f"xk{b}", fmt, p.t, p.hk)]
+    out = mx_specs("xres", fmt, p.t, p.h) if p.x_resident else \
+        [spec for b in range(_NBUF) for spec in mx_specs(f"xk{b}", fmt, p.t, p.hk)]
     out += [(f"wk{b}", "u8", (1, _gu_bytes(p, w))) for b in range(_NBUF)]
     out += [(f"gub{b}", "bf16", (1, 2 * w)) for b in range(2)] if p.expert_bias else []
     out += [(f"wrow{b}", "f32", (1, p.t)) for b in range(2)]
     out += [("gu", "f32", (p.t, 2 * w)), ("tmp", "f32", (p.t, w))]
     out += [("ones", "f32", (1, w))] if activation == "swiglu_oai" else []
-    out += [spec for b in range(2) for spec in _mx(f"aq{b}", fmt, p.t, w)]
+    out += [spec for b in range(2) for spec in mx_specs(f"aq{b}", fmt, p.t, w)]
     return out
 
 
-def _dn_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
+def _dn_specs(p: PanelPlan, fmt: str) -> list[Spec]:
     """Phase 3: down items."""
-    out = [spec for b in range(_NBUF) for spec in _mx(f"ak{b}", fmt, p.t, p.ik)]
+    out = [spec for b in range(_NBUF) for spec in mx_specs(f"ak{b}", fmt, p.t, p.ik)]
     out += [(f"wd{b}", "u8", (1, _dn_bytes(p, p.hb))) for b in range(_NBUF)]
     out += [(f"ot{b}", "f32", (p.t, p.hb)) for b in range(2)]
     if p.expert_bias:
@@ -210,29 +188,29 @@ def _dn_specs(p: PanelPlan, fmt: str) -> list[_Spec]:
     return out
 
 
-def _combine_specs(p: PanelPlan) -> list[_Spec]:
+def _combine_specs(p: PanelPlan) -> list[Spec]:
     """Phase 4: combine items."""
     return [*((f"g{n}", "f32", (p.t, p.hc)) for n in range(_NG)), ("ysum", "f32", (p.t, p.hc)),
             ("ybuf", "bf16", (p.t, p.hc))]
 
 
-def _plain_specs(p: PanelPlan) -> list[_Spec]:
+def _plain_specs(p: PanelPlan) -> list[Spec]:
     """Tiles live across phases: x's first rows (constants are clamped from them), the slot ids
     (gather indices) and a producer's logits panel (read by core 0's routing)."""
-    out: list[_Spec] = [("csrc", "bf16", (min(p.t, 8), min(p.h, 128)))]
+    out: list[Spec] = [("csrc", "bf16", (min(p.t, 8), min(p.h, 128)))]
     if p.e:
         out += [("ids", "i32", (p.d, 1)), ("lp", "f32", (p.t, p.router_cols))]
     return out
 
 
-def _layouts(p: PanelPlan, shape: dict[str, Any]) -> list[list[_Spec]]:
+def _layouts(p: PanelPlan, shape: dict[str, Any]) -> list[list[Spec]]:
     fmt = shape["act_fmt"]
     return [_route_specs(p, fmt), _gu_specs(p, fmt, shape["activation"]), _dn_specs(p, fmt),
             _combine_specs(p)]
 
 
 def _sram_bytes(p: PanelPlan, shape: dict[str, Any]) -> int:
-    return max(_bytes(lay) for lay in _layouts(p, shape)) + _bytes(_plain_specs(p)) + 64 * 8
+    return max(layout_bytes(lay) for lay in _layouts(p, shape)) + layout_bytes(_plain_specs(p)) + 64 * 8
 
 
 def _acc_bytes(p: PanelPlan) -> int:
@@ -251,7 +229,7 @@ def _tb(t: int, e: int, k: int, shape: dict[str, Any], room: int) -> int:
     for tb in range(t, 0, -1):
         if t % tb == 0:
             rd = routing_dims(tb, e, k, shape)
-            if _bytes([spec for spec in routing_buffers(rd, 0)]) <= room:
+            if layout_bytes([spec for spec in routing_buffers(rd, 0)]) <= room:
                 return tb
     return 0
 
@@ -259,9 +237,8 @@ def _tb(t: int, e: int, k: int, shape: dict[str, Any], room: int) -> int:
 def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
     """Seconds: per phase, the busiest core's bytes over a core's share of HBM (all cores
     streaming), or every byte over HBM, whichever is longer; plus a small per-instruction term."""
-    hbm = spec.hbm
-    bw = hbm.bytes_per_s_per_pseudo_channel * hbm.pseudo_channels * hbm.efficiency
-    per_core = min(spec.dma.bytes_per_s_per_core, bw / p.cores)
+    bw = spec.derived()["hbm_achievable_bytes_per_s"]
+    per_core = core_hbm_bytes_per_s(spec, p.cores)
     x_item = 0 if p.x_resident else p.t * p.h * 33 // 32
     gu_weights = sum(p.h * 2 * w * 17 // 32 for _, w in p.slices) // len(p.slices)
     gu_item = gu_weights + x_item + p.t * p.slice_max
@@ -280,24 +257,24 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
     return out_s * (1 + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
 
 
-def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
-    """The fitting split with the lowest estimate, for a shape the dense planner checked (``d``
-    expert slots); InvalidArgumentError naming the key when nothing fits."""
-    from .moe import _slices
+def plan_panel(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> PanelPlan:
+    """The fitting split with the lowest estimate within ``budget``, for a checked shape with ``d``
+    expert slots.
 
+    Raises:
+        DoesNotFit: more than 128 tokens, or no split fits (naming the key and the bytes).
+    """
     t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
     s, bias = shape["shared_experts"], shape["expert_bias"]
     if t > _MAX_TOKENS:
-        raise InvalidArgumentError(f"shape key tokens={t}: the expert-slot program computes every token "
-                                   f"per slot, at most {_MAX_TOKENS} (one matrix-unit row tile)")
-    sram_cap = int(spec.sram.scratchpad_bytes * _SRAM_SHARE)
-    acc_cap = spec.sram.accumulator_bytes
-    cores_avail = spec.core.count
+        raise DoesNotFit(f"shape key tokens={t}: the expert-slot program computes every token "
+                         f"per slot, at most {_MAX_TOKENS} (one matrix-unit row tile)")
+    sram_cap, acc_cap, cores_avail = budget.sram_bytes, budget.acc_bytes, budget.cores
     r_parts, ew = _router_split(e, cores_avail) if e else (0, 0)
     tb = _tb(t, e, k, shape, sram_cap // 2) if e else 0
     if e and not tb:
-        raise InvalidArgumentError(f"shape key experts={e}: routing one token needs more than half of "
-                                   f"{spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+        raise DoesNotFit(f"shape key experts={e}: routing one token needs more than half of the "
+                         f"{sram_cap:,} B of scratchpad {spec.name} plans with")
     rd = routing_dims(tb, e, k, shape) if e else None
     w_key = shape["slice"]
     widths = [w_key] if w_key else sorted({min(w, i) for w in (32, 64, 128, 256)})
@@ -305,7 +282,7 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
     panels = (512, 256, 128, 64, 32)
     best: tuple[float, PanelPlan] | None = None
     for w in widths:
-        slices = _slices(i, w)
+        slices = slices_of(i, w)
         for hb in hbs:
             down_blocks = tuple((h0, min(hb, h - h0)) for h0 in range(0, h, hb))
             gu_off, gu_sizes, down_off, expert_bytes = split_layout(h, i, slices, down_blocks, bias)
@@ -313,10 +290,12 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
                 for hk in sorted({min(pk, h) for pk in panels}, reverse=True):
                     ik = min(panels[0], i)
                     n_items = (s + d) * max(len(slices), len(down_blocks))
-                    p = PanelPlan(t, h, i, e, k, s, d, slices, tuple(gu_off), tuple(gu_sizes), expert_bytes,
-                                  bias, r_parts, ew, rd, down_blocks, tuple(down_off),
-                                  min(cores_avail, max(n_items, r_parts, 1)), hk, ik, min(panels[0], h), tb,
-                                  _qc(h, t, sram_cap), _hc(h, t, sram_cap), x_res)
+                    p = PanelPlan(t=t, h=h, i=i, e=e, k=k, s=s, d=d, slices=slices, chunk_off=tuple(gu_off),
+                                  chunk_sizes=tuple(gu_sizes), expert_bytes=expert_bytes, expert_bias=bias,
+                                  router_parts=r_parts, router_cols=ew, rd=rd, down_blocks=down_blocks,
+                                  down_off=tuple(down_off), cores=min(cores_avail, max(n_items, r_parts, 1)),
+                                  hk=hk, ik=ik, rk=min(panels[0], h), tb=tb, qc=_qc(h, t, sram_cap),
+                                  hc=_hc(h, t, sram_cap), x_resident=x_res)
                     p = _shrink(p, shape, sram_cap)
                     if p is None or _acc_bytes(p) > acc_cap:
                         continue
@@ -324,10 +303,10 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, d: int) -> PanelPlan:
                     if best is None or est < best[0]:
                         best = (est, p)
     if best is None:
-        raise InvalidArgumentError(
+        raise DoesNotFit(
             f"shape key hidden={h} (tokens={t}, intermediate={i}): no panel split of the expert-slot "
-            f"program fits {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad and "
-            f"{acc_cap:,} B accumulators")
+            f"program fits the {sram_cap:,} B of scratchpad and {acc_cap:,} B of accumulators {spec.name} "
+            "plans with")
     return best[1]
 
 
@@ -360,13 +339,13 @@ def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | N
         return PanelPlan(**{**q.__dict__, key: half})
 
     while _sram_bytes(p, shape) > sram_cap:
-        sizes = [_bytes(lay) for lay in _layouts(p, shape)]
+        sizes = [layout_bytes(lay) for lay in _layouts(p, shape)]
         phase = sizes.index(max(sizes))
         options = {0: [("qc", p.h), ("rk", p.h)], 1: [], 2: [("ik", p.i)], 3: [("hc", p.h)]}[phase]
         q = None
         for key, total in options:
             q = halve(p, key, total)
-            if q is not None and _bytes(_layouts(q, shape)[phase]) < sizes[phase]:
+            if q is not None and layout_bytes(_layouts(q, shape)[phase]) < sizes[phase]:
                 break
             q = None
         if q is None:
@@ -378,11 +357,8 @@ def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | N
 # --- reference ------------------------------------------------------------------------------------
 def panel_reference(inputs: dict[str, Any], p: PanelPlan, shape: dict[str, Any]) -> dict[str, np.ndarray]:
     """Pure-JAX MoE with this program's numerics and order: {"y": bf16 [T, H], "expert_ids": [D, 1]}."""
-    from .moe import _inorder_jit
-    from .moe_gather import _expert_rows, _quant
-
     x = jnp.asarray(np.asarray(inputs["x"]).astype(np.float32))
-    xq = _quant(x, shape["act_fmt"])
+    xq = quant_reference(x, shape["act_fmt"])
     all_slices = tuple(range(len(p.slices)))
     terms: list[tuple[Any, Any, np.ndarray | None]] = []
     slots = np.zeros(0, np.int32)
@@ -393,51 +369,54 @@ def panel_reference(inputs: dict[str, Any], p: PanelPlan, shape: dict[str, Any])
     if p.e:
         wr = jnp.asarray(router_logical(np.asarray(inputs["router"]), p), jnp.float32)
         rd = routing_dims(p.t, p.e, p.k, shape)
-        ids, w = route_reference(_inorder_jit(x, wr), inputs, rd, shape["routed_scaling_factor"])
+        ids, w = route_reference(inorder_jit(x, wr), inputs, rd, shape["routed_scaling_factor"])
         slots, slot_w = group_reference(ids, w, p.d)
         routed = unpack_experts(inputs["experts"], p)
         routed_b = unpack_expert_biases(inputs["experts"], p) if p.expert_bias else [None] * p.e
         terms += [(routed[int(ex)], routed_b[int(ex)], slot_w[u]) for u, ex in enumerate(slots)]
     y = None
     for weights, biases, gate_w in terms:
-        out = _expert_rows(p, shape, xq, weights, biases, gate_w, all_slices, p.expert_bias)
+        out = expert_rows_reference(p, shape, xq, weights, biases, gate_w, all_slices, p.expert_bias)
         y = out if y is None else y + out
     return {"y": np.asarray(y.astype(jnp.bfloat16)), "expert_ids": slots[:, None]}
 
 
 # --- the program ----------------------------------------------------------------------------------
-def _view(t: Tile, off: int, dtype: str, rows: int, cols: int, stride: int = -1) -> Tile:
-    return Tile(t.space, t.core, t.offset + off, dtype, rows, cols, stride)
-
-
-def _column(row: Tile) -> Tile:
-    """A packed f32 [1, n] row viewed as an [n, 1] column."""
-    return _view(row, 0, "f32", row.cols, 1, 4)
-
-
-class _Counter:
-    """Signals issued so far per semaphore, so that waits name the right counts."""
-
-    def __init__(self, kb: KernelBuilder, prefix: str, names: tuple[str, ...]) -> None:
-        self.sem = {n: kb.semaphore(f"{prefix}.{n}") for n in names}
-        self.count = dict.fromkeys(names, 0)
-
-    def signal(self, eng: Any, name: str) -> int:
-        eng.signal(self.sem[name])
-        self.count[name] += 1
-        return self.count[name]
-
-
 _CORE_SEMS = ("csrc", "qin", "qdone", "qstored", "rld", "rmm", "pulled", "rvec", "ids", "xres", "xld",
               "wld", "mm", "acc_read", "side", "act", "stored", "dwld", "dxld", "dmm", "ditem", "dside",
-              "bias_ready", "oread", "ostored", "gl", "gsum", "y_ready", "y_stored")
+              "bias_ready", "oread", "ostored", "gl", "gsum", "y_ready", "y_stored", "ids_kept")
+
+
+def panel_tensors(p: PanelPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
+    """The panel program's HBM tensors, in the order its stand-alone program allocates them: x, y,
+    the scratch xq / acts / outs, the router panels and biases, the packed tables, expert_ids, the
+    scratch slot weights and slot ids (each core's gather indices)."""
+    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
+    mx_axis = None if fmt == "bf16" else 1
+    out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output")]
+    out += [TensorSpec("xq", (t, h), fmt, "scratch", mx_axis),
+            TensorSpec("acts", (p.terms * t, p.i), fmt, "scratch", mx_axis),
+            TensorSpec("outs", (p.terms * t, h), "f32", "scratch")]
+    if e:
+        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
+        if rd.router == "softmax_topk":
+            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
+        if rd.score_bias:
+            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
+        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
+    if p.s:
+        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    if e:
+        out += [TensorSpec("expert_ids", (p.d, 1), "i32", "output"),
+                TensorSpec("slot_weights", (p.d, t), "f32", "scratch"),
+                TensorSpec("slot_ids", (p.d, 1), "i32", "scratch")]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class _Hbm:
-    x: Tile
-    y: Tile
-    xq: MXTensor | Tile
+    x: TensorRef
+    xq: MXTensor | Tile | None
     acts: MXTensor | Tile
     outs: Tile
     router: Tile | None
@@ -445,60 +424,66 @@ class _Hbm:
     score_bias: Tile | None
     experts: Tile | None
     shared: Tile | None
-    expert_ids: Tile | None
+    slot_ids: Tile | None
     slot_w: Tile | None
 
 
-def _hbm(kb: KernelBuilder, p: PanelPlan, shape: dict[str, Any]) -> _Hbm:
-    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
-    x = kb.hbm("x", (t, h), "bf16")
-    return _Hbm(
-        x=x, y=kb.hbm("y", (t, h), "bf16"),
-        xq=x if fmt == "bf16" else kb.hbm_mx("xq", (t, h), fmt, axis=1),
-        acts=kb.hbm("acts", (p.terms * t, p.i), "bf16") if fmt == "bf16" else
-        kb.hbm_mx("acts", (p.terms * t, p.i), fmt, axis=1),
-        outs=kb.hbm("outs", (p.terms * t, h), "f32"),
-        router=kb.hbm("router", (p.router_parts * h, p.router_cols), "bf16") if e else None,
-        router_bias=kb.hbm("router_bias", (1, e), "bf16") if e and rd.router == "softmax_topk" else None,
-        score_bias=kb.hbm("score_bias", (1, e), "f32") if e and rd.score_bias else None,
-        experts=kb.hbm("experts", (e, p.expert_bytes), "u8") if e else None,
-        shared=kb.hbm("shared", (p.s, p.expert_bytes), "u8") if p.s else None,
-        expert_ids=kb.hbm("expert_ids", (p.d, 1), "i32") if e else None,
-        slot_w=kb.hbm("slot_weights", (p.d, t), "f32") if e else None)
+def _tile(ref: TensorRef | None) -> MXTensor | Tile | None:
+    if ref is None:
+        return None
+    return MXTensor(ref.base, ref.base_scales, ref.mx_axis) if ref.is_mx else ref.base
 
 
-def _mx_cols(x: MXTensor | Tile, c0: int, cols: int) -> MXTensor | Tile:
-    if isinstance(x, MXTensor):
-        return x.sub(0, c0, x.codes.rows, cols)
-    return x.sub(0, c0, x.rows, cols)
-
-
-def _load_mx(q: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
-    if isinstance(dst, MXTensor):
-        q.load(dst.codes, src.codes)
-        q.load(dst.scales, src.scales)
-    else:
-        q.load(dst, src)
-
-
-def _store_mx(q: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
-    if isinstance(dst, MXTensor):
-        q.store(dst.codes, src.codes)
-        q.store(dst.scales, src.scales)
-    else:
-        q.store(dst, src)
+def _hbm(p: PanelPlan, shape: dict[str, Any], t: dict[str, TensorRef], ids_out: Out) -> _Hbm:
+    # The slot ids every core gathers by: the output itself when it goes to HBM, else the scratch.
+    ids = (ids_out.ref.base if ids_out.in_hbm else t["slot_ids"].base) if p.e else None
+    x = t["x"]
+    # bf16 activations: the items read x in place when it is an HBM input ready at the start,
+    # else a copy in the scratch xq.
+    xq = x.base if shape["act_fmt"] == "bf16" and x.in_hbm and not x.waits() else _tile(t["xq"])
+    return _Hbm(x=x, xq=xq, acts=_tile(t["acts"]), outs=t["outs"].base,
+                router=_tile(t.get("router")), router_bias=_tile(t.get("router_bias")),
+                score_bias=_tile(t.get("score_bias")), experts=_tile(t.get("experts")),
+                shared=_tile(t.get("shared")), slot_ids=ids, slot_w=_tile(t.get("slot_weights")))
 
 
 class _Emitter:
     """Emits the four phases onto every core (module docstring)."""
 
-    def __init__(self, kb: KernelBuilder, p: PanelPlan, shape: dict[str, Any]) -> None:
-        self.kb, self.p, self.shape = kb, p, shape
-        self.hbm = _hbm(kb, p, shape)
-        self.nq = kb.chip.dma.queues_per_core
-        self.g = _Counter(kb, "all", ("xq", "logits", "routed", "gu", "down"))
+    def __init__(self, ctx: EmitCtx, p: PanelPlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+                 outs: dict[str, Out]) -> None:
+        self.kb, self.p, self.shape = ctx.kb, p, shape
+        self.y_out = outs.get("y") or Out.onchip()
+        self.ids_out = outs.get("expert_ids") or Out.onchip()
+        self.hbm = _hbm(p, shape, tensors, self.ids_out)
+        self.nq = ctx.spec.dma.queues_per_core
+        self.waited: dict[Any, set[Ready]] = {}
+        kb = self.kb
+        self.g = Counter(kb, "all", ("xq", "logits", "routed", "gu", "down"))
         self.B = {c: self._alloc(c) for c in range(p.cores)}
-        self.S = {c: _Counter(kb, f"c{c}", _CORE_SEMS) for c in range(p.cores)}
+        self.S = {c: Counter(kb, f"c{c}", _CORE_SEMS) for c in range(p.cores)}
+        if p.e and not self.ids_out.in_hbm:
+            self.ids_kept = kb.sram(0, "expert_ids", (p.d, 1), "i32", keep=True)
+
+    def outputs(self) -> dict[str, TensorRef]:
+        """The output refs: each combine item's y block (and the slot ids) ready when written or stored."""
+        p, out = self.p, {}
+        pieces, ref = [], self.y_out.ref
+        for c in range(p.cores):
+            for ci, (h0, hw) in enumerate(p.combine_items()[c::p.cores]):
+                if self.y_out.in_hbm:
+                    ref = ref.with_ready(0, h0, p.t, hw, (self.S[c].sem["y_stored"].id, ci + 1))
+                else:
+                    pieces.append(Piece(0, h0, p.t, hw, self.B[c][f"y{ci}"], None,
+                                        (self.S[c].sem["y_ready"].id, ci + 1)))
+        out["y"] = ref if self.y_out.in_hbm else TensorRef.onchip("y", (p.t, p.h), "bf16", pieces)
+        if p.e:
+            if self.ids_out.in_hbm:
+                out["expert_ids"] = self.ids_out.ref.with_ready(0, 0, p.d, 1, (self.g.sem["routed"].id, 1))
+            else:
+                out["expert_ids"] = TensorRef.onchip("expert_ids", (p.d, 1), "i32", [Piece(
+                    0, 0, p.d, 1, self.ids_kept, None, (self.S[0].sem["ids_kept"].id, 1))])
+        return out
 
     def q(self, c: int, i: int) -> Any:
         return self.kb.core(c).dma[i % self.nq]
@@ -506,17 +491,20 @@ class _Emitter:
     def _alloc(self, c: int) -> dict[str, Any]:
         p, kb = self.p, self.kb
         layouts = _layouts(p, self.shape)
-        region = kb.sram(c, "phases", (1, max(_bytes(lay) for lay in layouts)), "u8")
+        region = kb.sram(c, "phases", (1, max(layout_bytes(lay) for lay in layouts)), "u8")
         B: dict[str, Any] = {}
         for lay in layouts:
             off = 0
             for name, dt, sh in lay:
                 B[name] = Tile(region.space, region.core, region.offset + off, dt, *sh)
-                off += _aligned(dt, sh)
+                off += aligned(dt, sh)
         for name, dt, sh in _plain_specs(p):
             B[name] = kb.sram(c, name, sh, dt)
         for name in [n[:-2] for n in list(B) if n.endswith(".c")]:
             B[name] = MXTensor(B.pop(f"{name}.c"), B.pop(f"{name}.s"), 1)
+        if not self.y_out.in_hbm:  # kept outputs outlive the phase region: buffers of their own
+            for ci, (_, hw) in enumerate(p.combine_items()[c::p.cores]):
+                B[f"y{ci}"] = kb.sram(c, f"y{ci}", (p.t, hw), "bf16", keep=True)
         B["acc_gu"] = [kb.acc(c, f"acc_gu{b}", (p.t, 2 * p.slice_max)) for b in range(2)]
         B["acc_o"] = [kb.acc(c, f"acc_o{b}", (p.t, p.hb)) for b in range(2)]
         if p.e:
@@ -527,7 +515,7 @@ class _Emitter:
         p = self.p
         for c in range(p.cores):
             q1 = self.q(c, 1)
-            q1.load(self.B[c]["csrc"], self.hbm.x.sub(0, 0, min(p.t, 8), min(p.h, 128)))
+            fetch(q1, self.B[c]["csrc"], self.hbm.x, 0, 0, waited=self.waited)
             self.S[c].signal(q1, "csrc")
             self.kb.core(c).vpu.wait(self.S[c].sem["csrc"], 1)
             self.quantise(c)
@@ -553,29 +541,35 @@ class _Emitter:
 
     # --- phase 1 ------------------------------------------------------------------------------
     def quantise(self, c: int) -> None:
-        """Core c's column panels of x, quantised into xq (bf16: nothing to do)."""
+        """Core c's column panels of x, quantised into xq (bf16: copied there, or nothing to do
+        when x is an HBM input ready at the start: the items read it in place)."""
         p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
-        if self.shape["act_fmt"] == "bf16":
+        if not self._quant_count():
             return
+        bf16 = self.shape["act_fmt"] == "bf16"
         q1, q2 = self.q(c, 1), self.q(c, 2)
         for n, (c0, cols) in enumerate(p.quant_items()[c::p.cores]):
-            xin, xqt = B["xin"].sub(0, 0, p.t, cols), _mx_cols(B["xqt"], 0, cols)
-            if n:  # the vector unit has read the previous panel
-                q1.wait(S.sem["qdone"], n)
-            q1.load(xin, self.hbm.x.sub(0, c0, p.t, cols))
+            xin, xqt = B["xin"].sub(0, 0, p.t, cols), mx_cols(B["xqt"], 0, cols)
+            if n:  # the vector unit (or the store) has read the previous panel
+                q1.wait(S.sem["qstored" if bf16 else "qdone"], n)
+            fetch(q1, xin, self.hbm.x, 0, c0, waited=self.waited)
             S.signal(q1, "qin")
-            v.wait(S.sem["qin"], n + 1)
-            if n:  # the previous panel is stored
-                v.wait(S.sem["qstored"], n)
-            v.quantize(xqt.codes, xqt.scales, xin)
-            S.signal(v, "qdone")
-            q2.wait(S.sem["qdone"], n + 1)
-            _store_mx(q2, _mx_cols(self.hbm.xq, c0, cols), xqt)
+            if bf16:
+                q2.wait(S.sem["qin"], n + 1)
+                store_mx(q2, mx_cols(self.hbm.xq, c0, cols), xin)
+            else:
+                v.wait(S.sem["qin"], n + 1)
+                if n:  # the previous panel is stored
+                    v.wait(S.sem["qstored"], n)
+                v.quantize(xqt.codes, xqt.scales, xin)
+                S.signal(v, "qdone")
+                q2.wait(S.sem["qdone"], n + 1)
+                store_mx(q2, mx_cols(self.hbm.xq, c0, cols), xqt)
             S.signal(q2, "qstored")
             self.g.signal(q2, "xq")
 
     def _quant_count(self) -> int:
-        return 0 if self.shape["act_fmt"] == "bf16" else len(self.p.quant_items())
+        return len(self.p.quant_items()) if self.hbm.xq is not self.hbm.x.base else 0
 
     def router(self, c: int) -> None:
         """Producer core c: logits panel c = x @ Wr[:, panel c] in K panels, into ``lp``."""
@@ -588,7 +582,7 @@ class _Emitter:
             if n >= 2:  # the matmul of step n-2 has read these buffers
                 q1.wait(S.sem["rmm"], n - 1)
             xr, wr = B[f"xr{n % 2}"].sub(0, 0, p.t, kw), B[f"wr{n % 2}"].sub(0, 0, kw, p.router_cols)
-            q1.load(xr, self.hbm.x.sub(0, k0, p.t, kw))
+            fetch(q1, xr, self.hbm.x, 0, k0, waited=self.waited)
             q1.load(wr, self.hbm.router.sub(c * p.h + k0, 0, kw, p.router_cols))
             S.signal(q1, "rld")
             m.wait(S.sem["rld"], n + 1)
@@ -623,9 +617,12 @@ class _Emitter:
             S.signal(v, "rvec")
         v.group(B["slot_ids"], B["slot_w"], B["idx_all"], B["gw_all"])
         q2.wait(S.sem["rvec"], S.signal(v, "rvec"))
-        q2.store(self.hbm.expert_ids, B["slot_ids"])
+        q2.store(self.hbm.slot_ids, B["slot_ids"])
         q2.store(self.hbm.slot_w, B["slot_w"])
         self.g.signal(q2, "routed")
+        if not self.ids_out.in_hbm:  # the output kept on chip: a copy that outlives the phases
+            q2.copy(self.ids_kept, B["slot_ids"])
+            S.signal(q2, "ids_kept")
 
     # --- weights by term ----------------------------------------------------------------------
     def _fetch(self, c: int, q: Any, dst: Tile, u: int, off: int, size: int) -> None:
@@ -644,7 +641,7 @@ class _Emitter:
         if not p.e:
             return
         q0 = self.q(c, 0)
-        q0.load(B["ids"], self.hbm.expert_ids)
+        q0.load(B["ids"], self.hbm.slot_ids)
         n = S.signal(q0, "ids")
         q0.wait(S.sem["ids"], n)
         self.q(c, 2).wait(S.sem["ids"], n)
@@ -662,7 +659,7 @@ class _Emitter:
         if self.shape["activation"] == "swiglu_oai":
             fill_constant(v, B["ones"], 1.0, B["csrc"])
         if p.x_resident:
-            _load_mx(q1, B["xres"], self.hbm.xq)
+            load_mx(q1, B["xres"], self.hbm.xq)
             S.signal(q1, "xres")
         kpanels = _panels(p.h, p.hk)
         n_k = len(kpanels)
@@ -676,12 +673,12 @@ class _Emitter:
                     if not p.x_resident:
                         q1.wait(S.sem["mm"], step - _NBUF + 1)
                 buf = B[f"wk{b}"]
-                self._fetch(c, q0, _view(buf, 0, "u8", 1, kw * w), u, p.chunk_off[j] + k0 * w, kw * w)
-                self._fetch(c, q0, _view(buf, kw * w, "u8", 1, (kw // 32) * 2 * w), u,
+                self._fetch(c, q0, view(buf, 0, "u8", 1, kw * w), u, p.chunk_off[j] + k0 * w, kw * w)
+                self._fetch(c, q0, view(buf, kw * w, "u8", 1, (kw // 32) * 2 * w), u,
                             p.chunk_off[j] + p.h * w + (k0 // 32) * 2 * w, (kw // 32) * 2 * w)
                 S.signal(q0, "wld")
                 if not p.x_resident:
-                    _load_mx(q1, _mx_cols(B[f"xk{b}"], 0, kw), _mx_cols(self.hbm.xq, k0, kw))
+                    load_mx(q1, mx_cols(B[f"xk{b}"], 0, kw), mx_cols(self.hbm.xq, k0, kw))
                     S.signal(q1, "xld")
                 step += 1
         step = 0
@@ -694,13 +691,13 @@ class _Emitter:
                 m.wait(S.sem["acc_read"], n - 1)
             for kk, (k0, kw) in enumerate(kpanels):
                 buf = B[f"wk{step % _NBUF}"]
-                wv = MXTensor(_view(buf, 0, "fp4", kw, 2 * w), _view(buf, kw * w, "e8m0", kw // 32, 2 * w), 0)
+                wv = MXTensor(view(buf, 0, "fp4", kw, 2 * w), view(buf, kw * w, "e8m0", kw // 32, 2 * w), 0)
                 m.wait(S.sem["wld"], step + 1)
                 if p.x_resident:
-                    xv = _mx_cols(B["xres"], k0, kw)
+                    xv = mx_cols(B["xres"], k0, kw)
                 else:
                     m.wait(S.sem["xld"], step + 1)
-                    xv = _mx_cols(B[f"xk{step % _NBUF}"], 0, kw)
+                    xv = mx_cols(B[f"xk{step % _NBUF}"], 0, kw)
                 m.matmul_mx(acc, xv, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "mm")
                 step += 1
@@ -722,7 +719,7 @@ class _Emitter:
         if u >= p.s:
             q2.load(B[f"wrow{par}"], self.hbm.slot_w.sub(u - p.s, 0, 1, p.t))
         if p.expert_bias:
-            self._fetch(c, q2, _view(B[f"gub{par}"], 0, "u8", 1, 4 * w), u,
+            self._fetch(c, q2, view(B[f"gub{par}"], 0, "u8", 1, 4 * w), u,
                         p.chunk_off[j] + p.h * w + (p.h // 32) * 2 * w, 4 * w)
         S.signal(q2, "side")
 
@@ -731,14 +728,12 @@ class _Emitter:
         u, j = item
         c0, w = p.slices[j]
         q2.wait(S.sem["act"], n + 1)
-        _store_mx(q2, self.hbm.acts.sub(u * p.t, c0, p.t, w), _mx_cols(B[f"aq{n % 2}"], 0, w))
+        store_mx(q2, self.hbm.acts.sub(u * p.t, c0, p.t, w), mx_cols(B[f"aq{n % 2}"], 0, w))
         S.signal(q2, "stored")
         self.g.signal(q2, "gu")
 
     def _gu_vector(self, c: int, n: int, u: int, j: int, n_k: int) -> None:
         """Vector unit: gate|up out of the accumulator (+ bias), activation, x gate weight, quantised."""
-        from .moe_gather import _activation
-
         p, B, S, v = self.p, self.B[c], self.S[c], self.kb.core(c).vpu
         w, par, t = p.slices[j][1], n % 2, p.t
         gu = B["gu"].sub(0, 0, t, 2 * w)
@@ -748,13 +743,13 @@ class _Emitter:
         S.signal(v, "acc_read")
         v.wait(S.sem["side"], n + 1)
         if p.expert_bias:
-            v.add(gu, gu, _view(B[f"gub{par}"], 0, "bf16", 1, 2 * w))
-        _activation(v, B, g_t, u_t, a_t, w, self.shape["activation"])
+            v.add(gu, gu, view(B[f"gub{par}"], 0, "bf16", 1, 2 * w))
+        emit_activation(v, B.get("ones"), g_t, u_t, a_t, self.shape["activation"])
         if u >= p.s:
-            v.mul(a_t, a_t, _column(B[f"wrow{par}"]))
+            v.mul(a_t, a_t, column(B[f"wrow{par}"]))
         if n >= 2:  # aq[par] of item n-2 is stored
             v.wait(S.sem["stored"], n - 1)
-        dst = _mx_cols(B[f"aq{par}"], 0, w)
+        dst = mx_cols(B[f"aq{par}"], 0, w)
         if isinstance(dst, MXTensor):
             v.quantize(dst.codes, dst.scales, a_t)
         else:
@@ -786,11 +781,11 @@ class _Emitter:
                     q1.wait(S.sem["dmm"], step - _NBUF + 1)
                 buf = B[f"wd{nb}"]
                 codes = kw * hw // 2
-                self._fetch(c, q0, _view(buf, 0, "u8", 1, codes), u, off + k0 * hw // 2, codes)
-                self._fetch(c, q0, _view(buf, codes, "u8", 1, (kw // 32) * hw), u,
+                self._fetch(c, q0, view(buf, 0, "u8", 1, codes), u, off + k0 * hw // 2, codes)
+                self._fetch(c, q0, view(buf, codes, "u8", 1, (kw // 32) * hw), u,
                             off + p.i * hw // 2 + (k0 // 32) * hw, (kw // 32) * hw)
                 S.signal(q0, "dwld")
-                _load_mx(q1, _mx_cols(B[f"ak{nb}"], 0, kw), self.hbm.acts.sub(u * p.t, k0, p.t, kw))
+                load_mx(q1, mx_cols(B[f"ak{nb}"], 0, kw), self.hbm.acts.sub(u * p.t, k0, p.t, kw))
                 S.signal(q1, "dxld")
                 step += 1
         step = 0
@@ -802,10 +797,10 @@ class _Emitter:
             for kk, (_k0, kw) in enumerate(ipanels):
                 buf = B[f"wd{step % _NBUF}"]
                 codes = kw * hw // 2
-                wv = MXTensor(_view(buf, 0, "fp4", kw, hw), _view(buf, codes, "e8m0", kw // 32, hw), 0)
+                wv = MXTensor(view(buf, 0, "fp4", kw, hw), view(buf, codes, "e8m0", kw // 32, hw), 0)
                 m.wait(S.sem["dwld"], step + 1)
                 m.wait(S.sem["dxld"], step + 1)
-                ak = _mx_cols(B[f"ak{step % _NBUF}"], 0, kw)
+                ak = mx_cols(B[f"ak{step % _NBUF}"], 0, kw)
                 m.matmul_mx(acc, ak, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "dmm")
                 step += 1
@@ -831,7 +826,7 @@ class _Emitter:
             q2.wait(S.sem["bias_ready"], n - 1)
         if u >= p.s:
             q2.load(B[f"brow{par}"], self.hbm.slot_w.sub(u - p.s, 0, 1, p.t))
-        self._fetch(c, q2, _view(B[f"db{par}"], 0, "u8", 1, 2 * hw), u,
+        self._fetch(c, q2, view(B[f"db{par}"], 0, "u8", 1, 2 * hw), u,
                     p.expert_bytes - 2 * p.h + 2 * h0, 2 * hw)
         S.signal(q2, "dside")
 
@@ -853,15 +848,15 @@ class _Emitter:
             v.wait(S.sem["dside"], n + 1)
             if n >= 2:  # the bias matmul of item n-2 (same buffers) is done
                 v.wait(S.sem["ditem"], n - 1)
-            src = _column(B[f"brow{par}"]) if u >= p.s else B["onecol"]
+            src = column(B[f"brow{par}"]) if u >= p.s else B["onecol"]
             res, wall, b2all = B["bres"], B[f"wall{par}"], B[f"b2all{par}"]
-            for part in range(_BIAS_PARTS):  # exact for an FP32 weight
+            for part in range(BIAS_PARTS):  # exact for an FP32 weight
                 col = wall.sub(0, part, t, 1)
                 v.copy(col, src)
-                if part < _BIAS_PARTS - 1:
+                if part < BIAS_PARTS - 1:
                     v.sub(res, src, col)
                     src = res
-                v.copy(b2all.sub(part, 0, 1, hw), _view(B[f"db{par}"], 0, "bf16", 1, hw))
+                v.copy(b2all.sub(part, 0, 1, hw), view(B[f"db{par}"], 0, "bf16", 1, hw))
             S.signal(v, "bias_ready")
         v.wait(S.sem["ditem"], n + 1)
         if n >= 2:  # ot[par] of item n-2 is stored
@@ -887,8 +882,10 @@ class _Emitter:
                 q1.load(B[f"g{ti % _NG}"].sub(0, 0, p.t, hw), self.hbm.outs.sub(u * p.t, h0, p.t, hw))
                 S.signal(q1, "gl")
                 ti += 1
-            ysum, ybuf = B["ysum"].sub(0, 0, p.t, hw), B["ybuf"].sub(0, 0, p.t, hw)
-            if ci:  # the previous y block is stored
+            keep = not self.y_out.in_hbm
+            ysum = B["ysum"].sub(0, 0, p.t, hw)
+            ybuf = B[f"y{ci}"] if keep else B["ybuf"].sub(0, 0, p.t, hw)
+            if ci and not keep:  # the previous y block is stored
                 v.wait(S.sem["y_stored"], ci)
             for u in range(p.terms):
                 g = B[f"g{(first + u) % _NG}"].sub(0, 0, p.t, hw)
@@ -900,13 +897,24 @@ class _Emitter:
                     v.add(ybuf if last else ysum, ysum, g)
                 S.signal(v, "gsum")
             S.signal(v, "y_ready")
-            q2.wait(S.sem["y_ready"], ci + 1)
-            q2.store(self.hbm.y.sub(0, h0, p.t, hw), ybuf)
-            S.signal(q2, "y_stored")
+            if not keep:
+                q2.wait(S.sem["y_ready"], ci + 1)
+                q2.store(self.y_out.ref.hbm_view(0, h0, p.t, hw), ybuf)
+                S.signal(q2, "y_stored")
 
 
-def build_panel(shape: dict[str, Any], spec: ChipSpec, p: PanelPlan) -> KernelBuilder:
-    """The small-scratchpad slot program for plan ``p`` (a KernelBuilder ready to ``build``)."""
-    kb = KernelBuilder(f"moe_panel_t{p.t}_h{p.h}_i{p.i}_e{p.e}_k{p.k}_d{p.d}", chip=spec)
-    _Emitter(kb, p, shape).emit()
-    return kb
+def emit_panel(ctx: EmitCtx, p: PanelPlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+               outs: dict[str, Out]) -> Emitter:
+    """Emit the small-scratchpad slot program for plan ``p`` (``plan_panel`` within ``ctx.budget``).
+
+    ``tensors``: a ref for every non-output tensor of ``panel_tensors`` (x in HBM or on chip: its
+    panels are fetched); ``outs``: "y" and "expert_ids", ``Out.to`` or ``Out.onchip`` (each combine
+    item's y block kept where it is made). The prefetch part is empty: the phases reuse one
+    scratchpad region behind global semaphores, so nothing is loaded before the program starts.
+    Yields/returns ``{"y": ..., "expert_ids": ...}``.
+    """
+    prog = _Emitter(ctx, p, shape, tensors, outs)
+    refs = prog.outputs()
+    yield refs
+    prog.emit()
+    return refs

@@ -85,8 +85,9 @@ ATTENTION_LABELS = frozenset({"kv_append", "attention", "mla_append"})
 ACT_BYTES = 2
 """Hidden states travel between chips as BF16."""
 SLOT_TOKENS = 128
-"""Tokens up to which the moe kernel may compute per expert slot (one matrix-unit row tile; its
-``grouping=auto`` threshold, when the partial output also fits the accumulators)."""
+"""Tokens up to which the moe kernel may serve expert slots (``kernels.moe_slots.MAX_TOKENS``: each
+slot's token list fits one matrix-unit row tile); without a chip spec, the routed launch assumes
+the slot program up to this many tokens."""
 DENSE_PART_CONTEXT = 32
 """Context of the decode step token_launches plans with: any the attention kernels accept (they
 are dropped from the token part)."""
@@ -132,10 +133,11 @@ def routed_moe_launch(
     chip's experts, ``distinct`` expert slots; all rounded to integers and clamped to what the
     kernel takes (top_k in 1..E/ep, distinct in top_k..min(E/ep, tokens * top_k)).
 
-    The kernel's ``grouping=auto`` chooses between serving expert slots (up to 128 tokens, when
-    its [tokens, hidden] partial fits ``spec``'s accumulators) and gathering each expert's tokens;
-    in the latter every local expert is an item and the slot count does not apply
-    (``distinct_experts=0``). Without ``spec`` the slot program is assumed up to 128 tokens.
+    The kernel's ``grouping=auto`` chooses between serving expert slots (up to 128 tokens: the
+    first of its programs that fits ``spec``; with ``routing=uniform`` each slot computes the
+    expected count of the chip's tokens, so the FLOPs are the routed work) and gathering each
+    expert's tokens; in the latter every local expert is an item and the slot count does not
+    apply (``distinct_experts=0``). Without ``spec`` the slot program is assumed up to 128 tokens.
 
     Raises:
         InvalidArgumentError: a model without routed experts (from the kernel's shape checks).

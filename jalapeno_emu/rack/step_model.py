@@ -40,8 +40,9 @@ grid points, each the first time a step needs it, and never again:
 
 - ``T``, ``A``, embedding, tail: tokens in powers of two, piecewise linear in tokens;
 - ``M``: received tokens in powers of two. Where the kernel serves
-  expert *slots* (up to 128 tokens, one matrix-unit tile, when its partial fits the accumulators)
-  the time is piecewise linear in the expected distinct experts, which its weight reads follow;
+  expert *slots* (up to 128 tokens, each slot computing its expected share of the routed rows:
+  one matrix-unit row tile) the time is piecewise linear in the expected distinct experts, which
+  its weight reads follow;
   where it runs its token-gathering program, piecewise linear in tokens; between a slot point and
   a gathering point it is priced at the gathering one (that program's fixed cost is a step up); a
   batch the kernel refuses (a GPU

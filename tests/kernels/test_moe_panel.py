@@ -5,10 +5,10 @@ program does not fit; unchanged plans where the dense program fits; real models'
 import pytest
 
 from jalapeno_emu.chip import load_preset
-from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels import get_kernel, run_kernel
 from jalapeno_emu.kernels.moe import MoePlan, grouping_of, plan_moe
 from jalapeno_emu.kernels.moe_panel import PanelPlan, _sram_bytes
+from jalapeno_emu.kernels.planning import DoesNotFit
 
 
 def _tiny(scratchpad_bytes: int):
@@ -66,8 +66,8 @@ def test_dense_program_unchanged_where_it_fits():
 
 def test_refuses_when_nothing_fits():
     spec = _tiny(4 * 1024)
-    # The refusal names why both the dense program and its panel form do not fit.
-    with pytest.raises(InvalidArgumentError, match=r"shape key .*nor does the panel form.*shape key"):
+    # The refusal names why both the slot program and its panel form do not fit.
+    with pytest.raises(DoesNotFit, match=r"no program fits \(slots: shape key .*; panel: shape key"):
         run_kernel("moe", CASES["gpt_oss_biases"][1], preset=spec)
 
 

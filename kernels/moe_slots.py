@@ -1,0 +1,1344 @@
+"""The moe kernel's expert-slot program (up to 128 tokens: decode batches), as an emitter.
+
+Stage: kernels (``moe`` family). ``moe`` runs this program when the batch fits one matrix-unit
+row tile of tokens and a core's scratchpad and accumulators hold its buffers; ``moe_panel`` is its
+form for small scratchpads, ``moe_gather`` the prefill program.
+
+**Expert slots.** The program is static, the routing is data: it is built for D expert *slots*
+(the distinct experts a batch hits, in increasing order) and gathers each slot's weights by the
+expert id the routing computes. The work is a list of items (term, intermediate slice j); terms
+are the shared experts first (weight 1, loaded), then the D slots (gathered by ``dma.gather`` of
+one row of the packed expert table, ``moe_pack``, so biases travel with their weights).
+
+**Each slot's token list** (its *capacity*, rows): the static program sizes how many tokens each
+slot computes. ``routing=any`` (functional runs): every slot may get every token, capacity T.
+``routing=uniform`` (timing): the expected counts, T*k tokens spread over the D slots (the first
+``T*k mod D`` slots one more), so the expert matmuls' M is the routed rows and the program's
+FLOPs are the routed work. A routing with more tokens for a slot than its capacity raises in the
+functional pass (never a silent drop), as one that hits more experts than there are slots does.
+
+Two arrangements follow from the capacities:
+
+- **dense** (every capacity is T: routing=any, or a single token): every slot computes every
+  token, weighted by its gate weight (0 for the tokens that did not choose it). Items are dealt
+  round-robin to the cores; each core accumulates its items' down projections into one FP32
+  [T, H] partial (the weighted combine happens in the accumulator) and its down biases through
+  one small BF16 matmul (the gate weights' three BF16 parts, exact for FP32, times the bias);
+  then core c pulls column slice c of every partial (``dma.copy``), adds them in core order and
+  rounds y[:, slice c] to BF16 once.
+- **routed** (some capacity below T): after the routing, each slot's list is the C tokens with
+  the largest weights for it (``vec.topk`` of its row of the [D, T] weights; a second top-k
+  checks that the (C+1)-th is zero, ``vec.group`` of the flags raises otherwise). Items are dealt
+  in contiguous runs (each core a run of terms); a core gathers its slots' x rows from the
+  quantised x in HBM by the list ids, computes gate|up, activation and gate weight on C rows, and
+  accumulates each term's C rows of down projection in its accumulators, then the down biases. A
+  term split between cores is completed by its first core (which pulls the other cores' rows and
+  adds them in core order) and stored into an HBM row table O = [k zero rows | each slot's C rows
+  | each shared expert's T rows]. The combine: ``vec.group`` of the lists' token ids gives a
+  [T, k + rows] matrix of each token's weight at the O row that holds it, ``vec.topk`` k of it
+  the k rows of each token (decreasing weight; a token with fewer picks takes zero rows); core c
+  gathers its tokens' rows (one ``dma.gather``), adds them in that order, then the shared rows,
+  and rounds y[tokens of c] to BF16 once.
+
+**Emitter** (``emit_slots``). x [T, H] BF16 from HBM or on chip: a core that holds the whole of x
+in its scratchpad (a replicated norm output) reads it in place, otherwise it is fetched. y goes to
+HBM (``Out.to``) or stays on chip (``Out.onchip``: each core's column slice, routed: its token
+rows); ``expert_ids`` [D, 1] likewise (core 0's slot ids). The prefetch part loads what does not
+depend on the routing: x when it is an HBM input ready at the start, the router panels, the router
+or score biases and the leading shared-expert chunks; routed experts' weights are gathered after
+the routing.
+
+Weights are double- to quadruple-buffered per core (as the scratchpad allows), two loads in
+flight; the matrix unit runs gate|up of item i+1 while the vector unit computes item i's
+activation. The slice width comes from a small cost model (bytes over the core's share of HBM vs
+matrix-unit steps vs vector work, per item, times items on the busiest core, plus the pipeline
+fill), penalised beyond 64 items per core to keep the program small; ``slice=N`` overrides it.
+Two scratchpad regions are reused over time (x and the router panel, then the reduction or
+combine buffers; weight buffers, then the partial). The constants the kernel needs (ones, zeros,
+1e-20, id sequences) are made from x with ``vec.clamp`` lo = hi (``moe_routing``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
+from jalapeno_emu.isa.table import Space
+
+from .base import TensorSpec
+from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch
+from .moe_base import (
+    BIAS_PARTS,
+    MoeLayout,
+    Spec,
+    aligned,
+    column,
+    emit_activation,
+    layout_bytes,
+    slices_of,
+    view,
+)
+from .moe_pack import chunk_bytes, chunk_views
+from .moe_routing import (
+    emit_route_constants,
+    emit_routing,
+    fill_constant,
+    fill_ids,
+    flat_rows,
+    routing_buffers,
+    routing_dims,
+)
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
+
+__all__ = ["MAX_TOKENS", "SHARED_BLOCK", "MoePlan", "capacities", "emit_slots", "plan_slots", "slot_tensors"]
+
+MAX_TOKENS = 128
+"""Tokens the slot program takes at most: one matrix-unit row tile (every slot's list fits it)."""
+# Items per core beyond which the slice choice is penalised (estimate x (1 + excess / this)): the
+# program, and the checker's work, which grows faster than linearly with it, stay small enough to
+# build, check and time a full-size layer in seconds to tens of seconds.
+_MAX_ITEMS_PER_CORE = 64
+_REDUCE_GROUP = 16  # partials pulled per round of the dense reduction (bounds its buffer)
+# Weight loads in flight per core: two keep the DMA latency hidden, and the first item's weights
+# land after two chunks' share of HBM instead of nbuf (loads in flight share bandwidth fairly).
+_LOOKAHEAD = 2
+SHARED_BLOCK = 512
+"""Routed: H columns per block of a shared item's down projection (its T rows would fill a core's
+accumulators at DeepSeek's H = 7168; block by block they accumulate in the scratchpad)."""
+
+Item = tuple[bool, int, int]
+"""(shared?, shared index or slot, slice index)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoePlan(MoeLayout):
+    """The slot program's split (``MoeLayout`` fields, plus):
+
+    Attributes:
+        items: (shared?, expert slot or shared index, slice index), shared items first.
+        cores: working cores.
+        runs: routed arrangement: [start, end) of each core's contiguous run of items; dense
+            (empty): core c runs items c, c + cores, ...
+        caps: each slot's list capacity (rows); all T: the dense arrangement.
+        red: dense: (start column, width) of y each core reduces and stores.
+        group: dense: partials pulled per reduction round.
+        nbuf: weight buffers per core.
+        bias_cols: K of the per-core down-bias matmul (3 columns per term whose slice 0 the core
+            runs, rounded up to 32; 0 without biases).
+    """
+
+    items: tuple[Item, ...]
+    cores: int
+    runs: tuple[tuple[int, int], ...]
+    caps: tuple[int, ...]
+    red: tuple[tuple[int, int], ...]
+    group: int
+    nbuf: int
+    bias_cols: int
+
+    # --- items and terms ------------------------------------------------------------------------
+    @property
+    def routed(self) -> bool:
+        """The routed arrangement: some slot's list is shorter than the batch."""
+        return any(c < self.t for c in self.caps)
+
+    def core_items(self, c: int) -> tuple[Item, ...]:
+        """The items core ``c`` runs, in order."""
+        if self.runs:
+            lo, hi = self.runs[c]
+            return self.items[lo:hi]
+        return self.items[c::self.cores]
+
+    def term(self, item: Item) -> int:
+        """Term index of an item: shared experts 0..S-1, then slots S..S+D-1."""
+        return item[1] if item[0] else self.s + item[1]
+
+    def term_rows(self, term: int) -> int:
+        """Rows a term computes: T for a shared expert, its capacity for a slot."""
+        return self.t if term < self.s else self.caps[term - self.s]
+
+    @cached_property
+    def _terms(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Routed: per core, (term, first accumulator row) of each term it runs, in order; shared
+        terms (T rows) accumulate in the scratchpad instead: row -1."""
+        out = []
+        for c in range(self.cores):
+            terms: list[tuple[int, int]] = []
+            row = 0
+            for it in self.core_items(c):
+                u = self.term(it)
+                if terms and terms[-1][0] == u:
+                    continue
+                terms.append((u, -1 if u < self.s else row))
+                if u >= self.s:
+                    row += self.term_rows(u)
+            out.append(tuple(terms))
+        return tuple(out)
+
+    @cached_property
+    def _holders(self) -> dict[int, tuple[int, ...]]:
+        hold: dict[int, list[int]] = {}
+        for c, terms in enumerate(self._terms):
+            for u, _ in terms:
+                hold.setdefault(u, []).append(c)
+        return {u: tuple(cs) for u, cs in hold.items()}
+
+    def core_terms(self, c: int) -> tuple[tuple[int, int], ...]:
+        """Routed: (term, first accumulator row; -1 for a shared term) of each term core ``c``
+        runs, in order."""
+        return self._terms[c]
+
+    def rows_on(self, c: int) -> int:
+        """Routed: the slot rows of core ``c``'s partial (its accumulator rows)."""
+        return sum(self.term_rows(u) for u, _ in self._terms[c] if u >= self.s)
+
+    def holders(self, term: int) -> tuple[int, ...]:
+        """Routed: the cores that run a slice of ``term``, in order (the first owns it)."""
+        return self._holders.get(term, ())
+
+    @property
+    def r_log(self) -> int:
+        """Routed: rows of every slot's list together."""
+        return sum(self.caps)
+
+    def o_row(self, term: int) -> int:
+        """Routed: first row of a slot term in the HBM row table O (after the k zero rows)."""
+        return self.k + sum(self.caps[:term - self.s])
+
+    @property
+    def o_rows(self) -> int:
+        """Routed: rows of O: k zero rows, then the slots' lists (shared rows never leave the chip)."""
+        return self.k + self.r_log
+
+    @property
+    def classes(self) -> list[tuple[int, int, int]]:
+        """Routed: (first slot, slots, capacity) of the runs of slots with one capacity."""
+        out: list[tuple[int, int, int]] = []
+        for u, cap in enumerate(self.caps):
+            if out and out[-1][2] == cap:
+                out[-1] = (out[-1][0], out[-1][1] + 1, cap)
+            else:
+                out.append((u, 1, cap))
+        return out
+
+    @property
+    def combine_tokens(self) -> int:
+        """Routed: tokens each combining core adds up (cores 0.. take consecutive tokens)."""
+        return -(-self.t // self.cores)
+
+    def combine_items(self) -> list[tuple[int, int]]:
+        """Routed: (first token, tokens) per combining core."""
+        tc = self.combine_tokens
+        return [(t0, min(tc, self.t - t0)) for t0 in range(0, self.t, tc)]
+
+    @property
+    def cap_max(self) -> int:
+        """Most rows any item computes."""
+        return self.t if self.s or not self.caps else max(self.caps)
+
+    @cached_property
+    def rows_max(self) -> int:
+        """Rows of the largest partial in the accumulators (dense: T; routed: at least 1)."""
+        return max(1, *(self.rows_on(c) for c in range(self.cores))) if self.routed else self.t
+
+    @cached_property
+    def span_rows(self) -> int:
+        """Routed: rows of other cores' parts the busiest owner adds (its staging buffer)."""
+        best = 0
+        for c in range(self.cores):
+            terms = self.core_terms(c)
+            if terms:
+                u = terms[-1][0]
+                hold = self.holders(u)
+                if hold[0] == c:
+                    best = max(best, (len(hold) - 1) * self.term_rows(u))
+        return best
+
+    @cached_property
+    def routed_terms_max(self) -> int:
+        """Routed: most slots (x row tiles) one core gathers."""
+        return max((sum(1 for u, _ in self.core_terms(c) if u >= self.s) for c in range(self.cores)),
+                   default=0)
+
+    @property
+    def sh_block(self) -> int:
+        """Routed with shared experts: H columns per down-projection block of a shared item (its
+        [T, H] rows accumulate in the scratchpad, block by block through the accumulators)."""
+        return min(self.h, SHARED_BLOCK)
+
+    @property
+    def chunk_max(self) -> int:
+        """Largest chunk (a weight buffer's size)."""
+        return max(self.chunk_sizes)
+
+
+def capacities(t: int, k: int, d: int, routing: str) -> tuple[int, ...]:
+    """Each slot's list capacity: T for routing=any (every routing fits); for uniform, the
+    expected counts, T*k spread over the d slots (the first T*k mod d get one more)."""
+    if routing == "any" or d == 0:
+        return (t,) * d
+    base, extra = divmod(t * k, d)
+    return tuple(min(t, base + (u < extra)) for u in range(d))
+
+
+def _bias_cols_dense(terms: int, n_slices: int, cores: int) -> int:
+    """K of the down-bias matmul on the busiest core: its slice-0 items times 3, rounded up to 32."""
+    first = np.arange(terms) * n_slices % cores  # the core of each term's slice-0 item
+    per_core = int(np.bincount(first, minlength=cores).max())
+    return 32 * -(-BIAS_PARTS * per_core // 32)
+
+
+def _bias_terms(p: MoePlan, c: int) -> list[int]:
+    """Indices (into core c's items) of the items whose slice is 0: the core adds those terms' biases
+    through the down-bias matmul (routed: slots only; a shared term adds its bias to its rows in
+    the scratchpad)."""
+    if not p.expert_bias:
+        return []
+    return [n for n, (sh, _, j) in enumerate(p.core_items(c)) if j == 0 and not (sh and p.routed)]
+
+
+# --- per-core buffers -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _CoreTiles:
+    """Every scratchpad tile of one core: ``regions`` (name, layouts live at different times),
+    ``plain`` tiles and ``mx`` tiles (codes + scales, blocked along columns)."""
+
+    regions: tuple[tuple[str, tuple[tuple[Spec, ...], ...]], ...]
+    plain: tuple[Spec, ...]
+    mx: tuple[Spec, ...]
+
+
+def _list_specs(p: MoePlan) -> list[Spec]:
+    """Routed: the lists, the combine's row picks and the capacity check's tiles."""
+    t, k, d = p.t, p.k, p.d
+    rp = k + p.r_log + t
+    out: list[Spec] = [("pi", "i32", (1, rp)), ("pw", "f32", (1, rp)), ("ptd", "i32", (t, 1)),
+                       ("pt", "f32", (t, rp)), ("cv", "f32", (t, k)), ("crl", "i32", (t, k)),
+                       ("lones", "f32", (1, max(t, 2))), ("lscr", "f32", (1, max(t, 2))),
+                       ("fz", "f32", (d, 2)), ("fv", "f32", (d, 1)), ("fsrc", "i32", (d + 1, 1)),
+                       ("fzero", "f32", (d + 1, 1)), ("fdst", "i32", (1, 1)), ("fdw", "f32", (1, d + 1)),
+                       ("zrow", "f32", (1, p.h))]
+    for n, (_, rows, cap) in enumerate(p.classes):
+        if cap < t:
+            out += [(f"probe_v{n}", "f32", (rows, cap + 1)), (f"probe_i{n}", "i32", (rows, cap + 1))]
+    return out
+
+
+def _core_tiles(p: MoePlan, act_fmt: str, activation: str, x_in: bool) -> _CoreTiles:
+    """The tiles ``_alloc_core`` allocates, in order (one source for sizing and allocation)."""
+    t, h, e, ew = p.t, p.h, p.e, p.router_cols
+    cm, smax = p.cap_max, p.slice_max
+    # bf16 activations: shared items read x itself until the end, which must then stay out of
+    # the region the shared rows reuse.
+    x_plain = act_fmt == "bf16" and p.routed and p.s > 0
+    first: list[Spec] = [("x", "bf16", (t, h))] if x_in and not x_plain else []
+    if e:
+        first += [("wr", "bf16", (h, ew)), ("logits_part", "f32", (t, ew))]
+    if p.routed:
+        tc = p.combine_tokens
+        later: tuple[tuple[Spec, ...], ...] = (
+            # the shared experts' [T, H] rows, accumulated here once the routing is done (x and the
+            # router's tiles are dead), then the combine's (once every term is stored)
+            (*((f"sh_part{s}", "f32", (t, h)) for s in range(p.s)), *((("tmp_sh", "f32", (t, p.sh_block)),)
+                                                                         if p.s else ())),
+            (("g", "f32", (tc * p.k, h)), ("ysum", "f32", (tc, h)), ("ybuf", "bf16", (tc, h))))
+        partial: tuple[Spec, ...] = (("partial", "f32", (p.rows_max, h)),
+                                     *((("stage", "f32", (p.span_rows, h)),) if p.span_rows else ()))
+    else:
+        hk = max(w for _, w in p.red)
+        later = ((("red", "f32", (p.group * t, hk)), ("ysum", "f32", (t, hk)), ("ybuf", "bf16", (t, hk))),)
+        partial = (("partial", "f32", (t, h)),)
+    regions = (
+        ("x_then_red", (tuple(first), *later)),
+        ("weights_then_partial", (tuple((f"w{b}", "u8", (1, p.chunk_max)) for b in range(p.nbuf)), partial)),
+    )
+    d_max = min(e, t * p.k)
+    plain: list[Spec] = list(routing_buffers(p.rd, d_max)) if p.rd is not None else []
+    if x_in and x_plain:
+        plain.append(("x", "bf16", (t, h)))
+    if p.routed:
+        # the shared rows copied for the combine: written while other cores still read this
+        # core's shared rows, so outside the region that holds them
+        plain += _list_specs(p) + [(f"gs{s}", "f32", (p.combine_tokens, h)) for s in range(p.s)]
+    if activation == "swiglu_oai":
+        plain.append(("ones", "f32", (1, smax)))
+    plain += [("gu", "f32", (cm, 2 * smax)), ("tmp", "f32", (cm, smax))]
+    mxs: list[Spec] = []
+    n_x = p.routed_terms_max if p.routed else 0
+    xrows = max(p.caps) if p.caps else 1
+    if act_fmt == "bf16":
+        plain += [("aq0", "bf16", (cm, smax)), ("aq1", "bf16", (cm, smax))]
+        plain += [(f"xb{q}", "bf16", (xrows, h)) for q in range(n_x)]
+    else:
+        mxs += [("xq", act_fmt, (t, h)), ("aq0", act_fmt, (cm, smax)), ("aq1", act_fmt, (cm, smax))]
+        mxs += [(f"xb{q}", act_fmt, (xrows, h)) for q in range(n_x)]
+        plain += [(f"xs{q}", "bf16", (xrows, h)) for q in range(n_x)]  # rows gathered from x, to quantise
+    if p.bias_cols:
+        plain += [("wall", "bf16", (p.rows_max, p.bias_cols)), ("b2all", "bf16", (p.bias_cols, h)),
+                  ("bres", "f32", (cm, 1)), ("onecol", "f32", (t, 1))]
+    if p.routed and p.expert_bias:  # a shared term's down bias, copied out of its chunk
+        plain += [(f"b2sh{s}", "bf16", (1, h)) for s in range(p.s)]
+    return _CoreTiles(regions, tuple(plain), tuple(mxs))
+
+
+def _tiles_bytes(tiles: _CoreTiles) -> int:
+    """Scratchpad bytes of ``tiles`` with the builder's 64-byte alignment."""
+    total = sum(max(layout_bytes(lay) for lay in layouts) for _, layouts in tiles.regions)
+    total += layout_bytes(tiles.plain)
+    total += sum(aligned(dt, sh) + aligned("e8m0", (sh[0], sh[1] // 32)) for _, dt, sh in tiles.mx)
+    return total
+
+
+def _acc_bytes(p: MoePlan) -> int:
+    shared = 2 * p.t * p.sh_block if p.routed and p.s else 0
+    return 4 * (p.rows_max * p.h + 2 * p.cap_max * 2 * p.slice_max + p.t * p.router_cols + shared)
+
+
+# --- plan -------------------------------------------------------------------------------------
+def _runs(n_items: int, cores: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous runs of items per core, balanced (sizes differ by at most one)."""
+    b = np.linspace(0, n_items, cores + 1).round().astype(int).tolist()
+    return tuple((b[c], b[c + 1]) for c in range(cores))
+
+
+def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> MoePlan:
+    """The slot program's split for a checked ``shape`` with ``d`` expert slots, within ``budget``.
+
+    Raises:
+        DoesNotFit: more than ``MAX_TOKENS`` tokens, or no split fits the scratchpad and
+            accumulators (the message names the key and the bytes).
+    """
+    t, h, i, e, k = (shape[n] for n in ("tokens", "hidden", "intermediate", "experts", "top_k"))
+    s, act_fmt, bias = shape["shared_experts"], shape["act_fmt"], shape["expert_bias"]
+    if t > MAX_TOKENS:
+        raise DoesNotFit(f"shape key tokens={t}: the expert-slot program takes at most {MAX_TOKENS} "
+                         "tokens (one matrix-unit row tile)")
+    rd = routing_dims(t, e, k, shape) if e else None
+    caps = capacities(t, k, d, shape["routing"])
+    routed = any(c < t for c in caps)
+    cores_avail = budget.cores
+    # Router panels: R producers, each E/R columns (R divides E, at most one per 32 columns).
+    r_parts = max(r for r in range(1, min(cores_avail, max(1, e // 32)) + 1) if e % r == 0) if e else 0
+    ew = e // r_parts if e else 0
+    acc_cap, sram_cap = budget.acc_bytes, budget.sram_bytes
+
+    def chunks(w: int) -> list[int]:
+        return [chunk_bytes(h, sw, bias, j == 0) for j, (_, sw) in enumerate(slices_of(i, w))]
+
+    def make(w: int, nbuf: int, cores: int, group: int) -> MoePlan:
+        slices = slices_of(i, w)
+        sizes = chunks(w)
+        offs = np.cumsum([0, *sizes]).tolist()
+        items = tuple((True, si, j) for si in range(s) for j in range(len(slices))) + \
+            tuple((False, u, j) for u in range(d) for j in range(len(slices)))
+        bounds = np.linspace(0, h, cores + 1).round().astype(int).tolist()
+        red = tuple((bounds[c], bounds[c + 1] - bounds[c]) for c in range(cores))
+        p = MoePlan(t=t, h=h, i=i, e=e, k=k, s=s, d=d, slices=slices, chunk_off=tuple(offs[:-1]),
+                    chunk_sizes=tuple(sizes), expert_bytes=offs[-1], expert_bias=bias, router_parts=r_parts,
+                    router_cols=ew, rd=rd, items=items, cores=cores,
+                    runs=_runs(len(items), cores) if routed else (),
+                    caps=caps, red=red, group=group, nbuf=nbuf, bias_cols=0)
+        if bias:
+            if routed:
+                most = max(len(_bias_terms(p, c)) for c in range(cores))
+                cols = 32 * -(-BIAS_PARTS * most // 32)
+            else:
+                cols = _bias_cols_dense(d + s, len(slices), cores)
+            p = replace(p, bias_cols=cols)
+        return p
+
+    def sram_need(p: MoePlan) -> int:
+        return _tiles_bytes(_core_tiles(p, act_fmt, shape["activation"], True))
+
+    mxu_step = mxu_cycles_per_step(spec, act_fmt, "fp4")
+
+    def cost(w: int, nbuf: int) -> float:
+        """Estimated seconds of the busiest core for slice width w, fixed costs included."""
+        n_items = (d + s) * len(slices_of(i, w))
+        cores = min(cores_avail, n_items)
+        per_core = -(-n_items // cores)
+        hbm_rate = core_hbm_bytes_per_s(spec, cores)
+        mt = -(-t // spec.matrix.tile_m)
+        steps = mt * (-(-2 * w // spec.matrix.tile_n) * h // 32 + -(-h // spec.matrix.tile_n) * w // 32)
+        mxu = (steps * mxu_step + 2 * spec.matrix.pipeline_depth_cycles) / spec.core.clock_hz
+        vec = 14 * (spec.vector.issue_overhead_cycles + t * w / spec.vector.lanes) / spec.core.clock_hz
+        latency = spec.dma.setup_latency_s + spec.hbm.latency_s
+        load = max(chunks(w)) / hbm_rate
+        # With more than two buffers the loads stream back to back (latency hidden behind the
+        # load in flight); with two a load waits for the previous item's matmuls.
+        item = max(load, mxu, vec) if nbuf > 2 else load + latency + max(mxu, vec)
+        # Pipeline fill: x and the first two chunks share the core's bandwidth before any matmul.
+        fill = latency + (2 * t * h + _LOOKAHEAD * max(chunks(w))) / hbm_rate
+        return per_core * item + fill
+
+    w_key = shape["slice"]
+    candidates = [w_key] if w_key else list(range(32, min(i, 1024) + 1, 32))
+    fitting = []  # (penalised estimate, -w, plan)
+    reasons: list[str] = []
+    for w in candidates:
+        n_items = (d + s) * len(slices_of(i, w))
+        cores = min(cores_avail, n_items)
+        per_core = -(-n_items // cores)
+        base = make(w, 2, cores, _REDUCE_GROUP)
+        if _acc_bytes(base) > acc_cap:
+            reasons.append(f"slice={w}: {_acc_bytes(base):,} B of accumulators")
+            continue
+        for nbuf in (4, 3, 2):
+            nb = min(nbuf, max(2, per_core))
+            p = make(w, nb, cores, _REDUCE_GROUP)
+            if sram_need(p) <= sram_cap:
+                over = max(0, per_core - _MAX_ITEMS_PER_CORE) / _MAX_ITEMS_PER_CORE
+                fitting.append((cost(w, nb) * (1 + over), -w, p))
+                break
+        else:
+            reasons.append(f"slice={w}: {sram_need(base):,} B of scratchpad")
+    if not fitting:
+        first = reasons[0] if reasons else "nothing fits"
+        raise DoesNotFit(
+            f"shape key hidden={h} (tokens={t}): the expert-slot program needs more than {spec.name}'s "
+            f"{sram_cap:,} B of scratchpad or {acc_cap:,} B of accumulators per core ({first})",
+            hint="split the batch, or use grouping=gather")
+    p = min(fitting, key=lambda f: f[:2])[2]
+    if not routed:
+        # One reduction round when every partial slice fits beside the rest (rounds wait for each other).
+        whole = replace(p, group=p.cores)
+        p = whole if sram_need(whole) <= sram_cap else replace(p, group=min(p.cores, _REDUCE_GROUP))
+    return p
+
+
+# --- HBM tensors --------------------------------------------------------------------------------
+def slot_tensors(p: MoePlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
+    """The slot program's HBM tensors, in the order its stand-alone program allocates them: x, y,
+    the router panels and biases, the packed tables, expert_ids; routed: the quantised x and the
+    row table O (scratch)."""
+    t, h, e, rd = p.t, p.h, p.e, p.rd
+    out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output")]
+    if e:
+        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
+        if rd.router == "softmax_topk":
+            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
+        if rd.score_bias:
+            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
+        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
+    if p.s:
+        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    if e:
+        out.append(TensorSpec("expert_ids", (p.d, 1), "i32", "output"))
+    if p.routed:
+        fmt = shape["act_fmt"]
+        out += [TensorSpec("xq", (p.cores * t, h), fmt, "scratch", None if fmt == "bf16" else 1),
+                TensorSpec("o_rows", (p.o_rows, h), "f32", "scratch")]
+    return tuple(out)
+
+
+# --- the program ---------------------------------------------------------------------------------
+_SEMS = ("x_loaded", "consts", "wr_loaded", "r_done", "pulled", "xq_ready", "routed", "loaded", "gu_done",
+         "gu_read", "act_ready", "freed", "bias_ready", "bias_done", "red_loaded0", "red_loaded1", "red_free",
+         "y_ready", "y_stored", "x_rows", "x_rows0", "x_quant", "xq_stored", "sh_block", "sh_drained",
+         "sh_done", "crl_ready", "partial_ready", "staged", "owned_ready", "zero_ready", "c_loaded",
+         "ids_stored")
+
+
+class _Program:
+    """Emits the slot program (see the module docstring); ``prefetch`` then ``rest``."""
+
+    def __init__(self, ctx: EmitCtx, p: MoePlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+                 outs: dict[str, Out]) -> None:
+        self.kb, self.p, self.shape = ctx.kb, p, shape
+        self.x: TensorRef = tensors["x"]
+        self.t = tensors
+        self.y_out = outs.get("y") or Out.onchip()
+        self.ids_out = outs.get("expert_ids") or Out.onchip()
+        self.nq = ctx.spec.dma.queues_per_core
+        self.workers = range(p.cores)
+        self.producers = range(p.router_parts)
+        kb = self.kb
+        self.g = {n: kb.semaphore(n) for n in ("logits_ready", "partials_ready", "o_stored", "pulled_all",
+                                                 "sh_copied")}
+        self.x_static = self.x.in_hbm and not self.x.waits()
+        # Routed: x's rows for each slot are gathered from x itself when it is an HBM input (and
+        # quantised here), else from each core's copy of the quantised x in the scratch.
+        self._quantise_rows = p.routed and self.x_static and shape["act_fmt"] != "bf16"
+        self.waited: dict[Any, set[Ready]] = {}
+        self.B: dict[int, dict[str, Any]] = {}
+        for c in range(max(p.cores, p.router_parts)):
+            self.B[c] = self._alloc_core(c)
+
+    def q(self, c: int, i: int) -> Any:
+        return self.kb.core(c).dma[i % self.nq]
+
+    # --- buffers ----------------------------------------------------------------------------
+    def _alloc_core(self, c: int) -> dict[str, Any]:
+        """Every buffer of core ``c``. All cores allocate the same buffers in the same order, so
+        their scratchpads have the same layout and the functional pass compiles each instruction
+        shape once for all of them. Two regions are reused: x and the router panel (done once the
+        routing is) later hold the reduction or combine buffers; the weight buffers (done after
+        the last item) later hold the partial."""
+        kb, p, shape = self.kb, self.p, self.shape
+        local = self.x.local(c) if not self.x.in_hbm else None
+        tiles = _core_tiles(p, shape["act_fmt"], shape["activation"], local is None)
+        keep_y = not self.y_out.in_hbm
+        B: dict[str, Any] = {"x_local": local}
+        for name, layouts in tiles.regions:
+            if keep_y:  # a kept output outlives the program's regions: a buffer of its own
+                layouts = tuple(tuple(sp for sp in lay if sp[0] != "ybuf") for lay in layouts)
+            B.update(_union(kb, c, name, layouts))
+        B["wbuf"] = [B.pop(f"w{b}") for b in range(p.nbuf)]
+        keep_ids = c == 0 and p.e and not self.ids_out.in_hbm
+        for name, dtype, sh in tiles.plain:
+            B[name] = kb.sram(c, name, sh, dtype, keep=bool(keep_ids and name == "slot_ids"))
+        for name, fmt, sh in tiles.mx:
+            B[name] = kb.sram_mx(c, name, sh, fmt, axis=1)
+        if local is not None:
+            B["x"] = local[0]
+        if shape["act_fmt"] == "bf16":
+            B["xq"] = B["x"]  # the matrix unit takes x as it is
+        B["aq"] = [B.pop("aq0"), B.pop("aq1")]
+        n_x = p.routed_terms_max if p.routed else 0
+        B["xb"] = [B.pop(f"xb{q}") for q in range(n_x)]
+        B["xs"] = [B.pop(f"xs{q}") for q in range(n_x)] if shape["act_fmt"] != "bf16" else B["xb"]
+        if keep_y and c in self._y_cores():
+            rows, cols = self._y_block(c)[2:]
+            B["ybuf"] = kb.sram(c, "y", (rows, cols), "bf16", keep=True)
+        B["acc_gu"] = [kb.acc(c, f"acc_gu{b}", (p.cap_max, 2 * p.slice_max)) for b in range(2)]
+        B["acc_out"] = kb.acc(c, "acc_out", (p.rows_max, p.h))
+        if p.routed and p.s:
+            B["acc_sh"] = [kb.acc(c, f"acc_sh{b}", (p.t, p.sh_block)) for b in range(2)]
+        if p.e:
+            B["acc_r"] = kb.acc(c, "acc_r", (p.t, p.router_cols))
+        B["sem"] = {n: kb.semaphore(f"c{c}.{n}") for n in _SEMS}
+        return B
+
+    def _y_cores(self) -> list[int]:
+        p = self.p
+        if p.routed:
+            return list(range(len(p.combine_items())))
+        return [c for c in self.workers if p.red[c][1]]
+
+    def _y_block(self, c: int) -> tuple[int, int, int, int]:
+        """(first row, first column, rows, columns) of y that core c produces."""
+        p = self.p
+        if p.routed:
+            t0, n = p.combine_items()[c]
+            return t0, 0, n, p.h
+        h0, hk = p.red[c]
+        return 0, h0, p.t, hk
+
+    # --- outputs ----------------------------------------------------------------------------
+    def outputs(self) -> dict[str, TensorRef]:
+        """The output refs, with each block ready when it is written (on chip) or stored (HBM)."""
+        p, out = self.p, {}
+        if self.y_out.in_hbm:
+            ref = self.y_out.ref
+            for c in self._y_cores():
+                r0, c0, rows, cols = self._y_block(c)
+                ref = ref.with_ready(r0, c0, rows, cols, (self.B[c]["sem"]["y_stored"].id, 1))
+            out["y"] = ref
+        else:
+            pieces = []
+            for c in self._y_cores():
+                r0, c0, rows, cols = self._y_block(c)
+                pieces.append(Piece(r0, c0, rows, cols, self.B[c]["ybuf"].sub(0, 0, rows, cols), None,
+                                    (self.B[c]["sem"]["y_ready"].id, 1)))
+            out["y"] = TensorRef.onchip("y", (p.t, p.h), "bf16", pieces)
+        if p.e:
+            sem = self.B[0]["sem"]
+            if self.ids_out.in_hbm:
+                out["expert_ids"] = self.ids_out.ref.with_ready(0, 0, p.d, 1, (sem["ids_stored"].id, 1))
+            else:
+                tile = self.B[0]["slot_ids"].sub(0, 0, p.d, 1)
+                out["expert_ids"] = TensorRef.onchip("expert_ids", (p.d, 1), "i32",
+                                                     [Piece(0, 0, p.d, 1, tile, None, (sem["routed"].id, 1))])
+        return out
+
+    # --- prefetch part ----------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """What does not depend on the routing or on other operators: x (an HBM input ready at the
+        start), router panels, router / score biases, the leading shared chunks."""
+        p = self.p
+        for c, B in self.B.items():
+            sem = B["sem"]
+            if B["x_local"] is None and self.x_static:
+                q0 = self.q(c, 0)
+                q0.load(B["x"], self.x.hbm_view(0, 0, p.t, p.h))
+                q0.signal(sem["x_loaded"])
+                B["x_wait"] = [(sem["x_loaded"].id, 1)]
+            if c in self.producers:
+                q1 = self.q(c, 1)
+                q1.load(B["wr"], self.t["router"].hbm_view(c * p.h, 0, p.h, p.router_cols))
+                q1.signal(sem["wr_loaded"])
+            if c in self.workers and p.e:
+                q1 = self.q(c, 1)
+                if p.rd.router == "softmax_topk":
+                    q1.load(B["bias"], self.t["router_bias"].hbm_view(0, 0, 1, p.e))
+                if p.rd.score_bias:
+                    q1.load(B["score_bias"], self.t["score_bias"].hbm_view(0, 0, 1, p.e))
+                q1.signal(sem["consts"])
+            if c in self.workers:
+                B["loads_done"] = self._emit_loads(c, prefetch=True)
+
+    # --- the rest ---------------------------------------------------------------------------
+    def rest(self) -> None:
+        p = self.p
+        for c, B in self.B.items():
+            core, sem, v = self.kb.core(c), B["sem"], self.kb.core(c).vpu
+            if B["x_local"] is not None:
+                ready = B["x_local"][1]
+                B["x_wait"] = [ready] if ready is not None else []
+            elif not self.x_static:
+                used = fetch(core.dma, B["x"], self.x, waited=self.waited)
+                for q in used:
+                    q.signal(sem["x_loaded"])
+                B["x_wait"] = [(sem["x_loaded"].id, len(used))]
+            if c in self.producers:
+                self._emit_router(c)
+            if c not in self.workers:
+                v.wait(sem["r_done"], 1)
+                v.acc_read(B["logits_part"], B["acc_r"])
+                v.signal(self.g["logits_ready"])
+                continue
+            items = p.core_items(c)
+            shared_bias = any(sh and j == 0 for sh, _, j in items) and p.expert_bias
+            self._emit_core_setup(c, shared_bias)
+            if p.routed and c == 0:
+                self._emit_zero_rows()
+            if c in self.producers:
+                v.wait(sem["r_done"], 1)
+                v.acc_read(B["logits_part"], B["acc_r"])
+                v.signal(self.g["logits_ready"])
+            if p.routed and not self.x_static and any(u >= p.s for u, _ in p.core_terms(c)):
+                self._emit_xq_store(c)
+            if p.e:
+                self._emit_routing(c)
+            self._emit_loads(c, prefetch=False)
+            self._emit_matmuls(c)
+            self._emit_activations(c)
+            if p.routed:
+                v.signal(sem["partial_ready"])
+            else:
+                v.signal(self.g["partials_ready"])
+        for c in self.workers:
+            if p.routed:
+                self._emit_owner(c)
+            else:
+                self._emit_reduction(c)
+        if p.routed:
+            for c in range(len(p.combine_items())):
+                self._emit_combine(c)
+
+    def _emit_router(self, c: int) -> None:
+        """Producer core ``c``: its column panel of the logits, FP32 in its accumulators."""
+        B = self.B[c]
+        m, sem = self.kb.core(c).mxu, B["sem"]
+        for cond in B["x_wait"]:
+            m.wait(*cond)
+        m.wait(sem["wr_loaded"], 1)
+        m.matmul(B["acc_r"], B["x"], B["wr"], mode="overwrite")
+        m.signal(sem["r_done"])
+
+    def _emit_core_setup(self, c: int, has_shared_bias: bool) -> None:
+        """Vector unit, once x is in: x quantised, and the constants made from it (no immediates)."""
+        p, B, shape = self.p, self.B[c], self.shape
+        v, sem, x = self.kb.core(c).vpu, B["sem"], B["x"]
+        for cond in B["x_wait"]:
+            v.wait(*cond)
+        if shape["act_fmt"] != "bf16":
+            v.quantize(B["xq"].codes, B["xq"].scales, x)
+        v.signal(sem["xq_ready"])
+        if shape["activation"] == "swiglu_oai":
+            fill_constant(v, B["ones"], 1.0, x)
+        if p.rd is not None:
+            emit_route_constants(v, B, p.rd, x)
+        if p.bias_cols:
+            fill_constant(v, B["wall"], 0.0, x)
+            fill_constant(v, B["b2all"], 0.0, x)
+            if has_shared_bias:
+                fill_constant(v, B["onecol"], 1.0, x)
+        if p.routed:
+            self._list_constants(c)
+
+    def _list_constants(self, c: int) -> None:
+        """Routed: the lists' reserved and pad entries (token ids with weight 0), the check's zeros."""
+        p, B = self.p, self.B[c]
+        v, x = self.kb.core(c).vpu, B["x"]
+        t, k = p.t, p.k
+        ones, scratch = B["lones"], B["lscr"]
+        fill_constant(v, ones, 1.0, x)
+        tail = k + p.r_log
+        for lo, n in ((0, k), (tail, t)):  # reserved rows (zero rows of O) and every token once
+            fill_ids(v, B["pi"].sub(0, lo, 1, n), t, ones, scratch)
+            fill_constant(v, B["pw"].sub(0, lo, 1, n), 0.0, x)
+        fill_constant(v, B["fz"], 0.0, x)
+        fill_constant(v, B["fzero"], 0.0, x)
+        fill_ids(v, flat_rows(B["fsrc"], p.d, 1), 1, ones, scratch)  # the extra 0 flag
+        fill_constant(v, B["zrow"], 0.0, x)
+
+    def _emit_xq_store(self, c: int) -> None:
+        """Routed: core ``c`` stores its quantised x into its own rows of the HBM scratch, which it
+        gathers its slots' rows from once the lists are known (while the weights do not stream yet:
+        a copy per core keeps the gathers of every core off the same few HBM channels)."""
+        B, q2 = self.B[c], self.q(c, 2)
+        q2.wait(B["sem"]["xq_ready"], 1)
+        xq = self._xq_hbm(c)
+        if isinstance(xq, MXTensor):
+            q2.store(xq.codes, B["xq"].codes)
+            q2.store(xq.scales, B["xq"].scales)
+        else:
+            q2.store(xq, B["xq"])
+        q2.signal(B["sem"]["xq_stored"])
+
+    def _xq_hbm(self, c: int) -> MXTensor | Tile:
+        """Core c's copy of the quantised x in the HBM scratch (rows c*T .. (c+1)*T)."""
+        ref = self.t["xq"]
+        t = self.p.t
+        if ref.is_mx:
+            return MXTensor(ref.base, ref.base_scales, 1).sub(c * t, 0, t, self.p.h)
+        return ref.base.sub(c * t, 0, t, self.p.h)
+
+    def _emit_routing(self, c: int) -> None:
+        """Core ``c`` pulls the R logit panels and routes every token into its slot tables (and,
+        routed, the lists); core 0 also stores or keeps the slot ids."""
+        p, B = self.p, self.B[c]
+        t, sem, v = p.t, B["sem"], self.kb.core(c).vpu
+        q1 = self.q(c, 1)
+        q1.wait(self.g["logits_ready"], p.router_parts)
+        for r in range(p.router_parts):
+            q1.copy(B["logits"].sub(0, r * p.router_cols, t, p.router_cols), self.B[r]["logits_part"])
+        q1.signal(sem["pulled"])
+        if p.routed and p.s:
+            q1.signal(self.g["pulled_all"])
+        v.wait(sem["consts"], 1)
+        v.wait(sem["pulled"], 1)
+        emit_routing(v, B, p.rd, self.shape["routed_scaling_factor"], p.d)
+        if p.routed:
+            self._emit_lists(c)
+        v.signal(sem["routed"])
+        if p.routed:
+            self._emit_picks(c)
+        if c == 0 and self.ids_out.in_hbm:
+            q1.wait(sem["routed"], 1)
+            q1.store(self.ids_out.ref.hbm_view(0, 0, p.d, 1), B["slot_ids"].sub(0, 0, p.d, 1))
+            q1.signal(sem["ids_stored"])
+
+    def _emit_lists(self, c: int) -> None:
+        """Routed: each slot's list (its C best tokens, ids and weights, written into the combine's
+        id and weight rows): what the x-row gathers and the weights need first."""
+        p, B = self.p, self.B[c]
+        v, t, off = self.kb.core(c).vpu, p.t, p.k
+        for u0, rows, cap in p.classes:
+            src = B["slot_w"].sub(u0, 0, rows, t)
+            v.topk(view(B["pw"], 4 * off, "f32", rows, cap), view(B["pi"], 4 * off, "i32", rows, cap), src)
+            off += rows * cap
+
+    def _emit_picks(self, c: int) -> None:
+        """Routed, after the lists are out: the capacity check, and each token's k rows of O (what
+        only the combine reads)."""
+        p, B = self.p, self.B[c]
+        v, t, k = self.kb.core(c).vpu, p.t, p.k
+        pi, pw = B["pi"], B["pw"]
+        checked = False
+        for n, (u0, rows, cap) in enumerate(p.classes):
+            if cap < t:  # the (cap+1)-th weight of each of these slots
+                pv = B[f"probe_v{n}"]
+                v.topk(pv, B[f"probe_i{n}"], B["slot_w"].sub(u0, 0, rows, t))
+                v.copy(B["fz"].sub(u0, 1, rows, 1), pv.sub(0, cap, rows, 1))
+                checked = True
+        if checked:
+            # 1 where a slot's (cap+1)-th weight is positive (more tokens chose it than its list
+            # holds), else 0; a flag of 1 beside the extra 0 is a second distinct value, which a
+            # one-row vec.group refuses ("more distinct values than the 1 rows of dst").
+            v.topk(B["fv"], B["fsrc"].sub(0, 0, p.d, 1), B["fz"])
+            v.group(B["fdst"], B["fdw"], B["fsrc"], B["fzero"])
+        # P [T, k + rows + T]: token t's weight at each O row that holds it; top-k: its k rows.
+        v.group(B["ptd"], B["pt"], column(pi), column(pw))
+        v.topk(B["cv"], B["crl"], B["pt"].sub(0, 0, t, k + p.r_log))
+        v.signal(B["sem"]["crl_ready"])
+
+    def _emit_x_rows(self, c: int) -> None:
+        """Routed: queue 0 gathers the x rows of every slot core ``c`` runs, by its list, as its
+        first descriptors after the routing: ahead of the weights in the HBM channels' queues
+        (behind them a slot's rows wait for every core's weights in flight, ~7 us at gpt-oss-120b's
+        shapes on jalapeno-v1, and hold up that slot's first matmul). x's BF16 rows when x is an
+        HBM input (the vector unit quantises them, row by row as xq is: the same codes), else the
+        rows of the core's copy of the quantised x (codes and scales)."""
+        p, B = self.p, self.B[c]
+        sem = self.B[c]["sem"]
+        slots = [u for u, _ in p.core_terms(c) if u >= p.s]
+        for q, u in enumerate(slots):
+            # The first slot's rows on queue 0 ahead of the weights; the others' on queue 2, at once.
+            q0 = self.q(c, 0 if q == 0 else 2)
+            if q <= 1:
+                if q == 1:
+                    q0.wait(sem["routed"], 1)
+                if not self.x_static:
+                    q0.wait(sem["xq_stored"], 1)
+            rows = p.term_rows(u)
+            idx = column(B["pi"], p.o_row(u), rows)
+            if self.x_static:
+                q0.gather(B["xs"][q].sub(0, 0, rows, p.h), self.x.base, idx)
+            else:
+                xq, dst = self._xq_hbm(c), B["xb"][q]
+                if isinstance(dst, MXTensor):
+                    q0.gather(dst.codes.sub(0, 0, rows, p.h), xq.codes, idx)
+                    q0.gather(dst.scales.sub(0, 0, rows, p.h // 32), xq.scales, idx)
+                else:
+                    q0.gather(dst.sub(0, 0, rows, p.h), xq, idx)
+            q0.signal(sem["x_rows0" if q == 0 else "x_rows"])  # lands once this slot's rows have
+
+    def _x_rows_ready(self, c: int, q: int) -> Ready:
+        """When core c's q-th slot's x rows have landed."""
+        sem = self.B[c]["sem"]
+        return (sem["x_rows0"].id, 1) if q == 0 else (sem["x_rows"].id, q)
+
+    def _emit_loads(self, c: int, prefetch: bool) -> int:
+        """DMA queue 0: each item's chunk, loaded (shared) or gathered by its slot's expert id.
+        ``prefetch``: only the leading shared items whose buffers are fresh; returns how many."""
+        p, B = self.p, self.B[c]
+        q0, sem = self.q(c, 0), B["sem"]
+        items = p.core_items(c)
+        start = 0 if prefetch else B["loads_done"]
+        routed_waited = False
+        for n in range(start, len(items)):
+            is_shared, slot, j = items[n]
+            if prefetch and (n >= p.nbuf or not is_shared):
+                return n
+            size = p.chunk_sizes[j]
+            dst = B["wbuf"][n % p.nbuf].sub(0, 0, 1, size)
+            if n >= p.nbuf:  # the buffer's previous item must be done on the matrix unit
+                q0.wait(sem["freed"], n - p.nbuf + 1)
+            if n >= _LOOKAHEAD:
+                q0.wait(sem["loaded"], n - _LOOKAHEAD + 1)
+            if is_shared:
+                q0.load(dst, Tile(Space.HBM, 0, self.t["shared"].base.offset + slot * p.expert_bytes
+                                  + p.chunk_off[j], "u8", 1, size))
+            else:
+                if not routed_waited:
+                    q0.wait(sem["routed"], 1)
+                    if p.routed:
+                        self._emit_x_rows(c)
+                    routed_waited = True
+                table = Tile(Space.HBM, 0, self.t["experts"].base.offset + p.chunk_off[j], "u8", p.e, size,
+                             p.expert_bytes)
+                q0.gather(dst, table, B["slot_ids"].sub(slot, 0, 1, 1))
+            q0.signal(sem["loaded"])
+        return len(items)
+
+    def _views(self, c: int, n: int, j: int):
+        p = self.p
+        return chunk_views(self.B[c]["wbuf"][n % p.nbuf], p.h, p.slices[j][1], p.expert_bias, j == 0)
+
+    def _rows_of(self, c: int, n: int) -> tuple[int, int, Any]:
+        """(rows, first row in the core's partial, x operand) of core c's item n."""
+        p, B = self.p, self.B[c]
+        it = p.core_items(c)[n]
+        if not p.routed:
+            return p.t, 0, B["xq"]
+        u = p.term(it)
+        terms = p.core_terms(c)
+        row = next(r for uu, r in terms if uu == u)
+        rows = p.term_rows(u)
+        if u < p.s:
+            return rows, row, B["xq"]
+        q = [uu for uu, _ in terms if uu >= p.s].index(u)
+        x = B["xb"][q]
+        x = x.sub(0, 0, rows, p.h)
+        return rows, row, x
+
+    def _emit_matmuls(self, c: int) -> None:
+        """Matrix unit: gate|up of item n while the vector unit activates item n - 1, then its down
+        projection into the core's accumulators; the down-bias matmul last."""
+        p, B = self.p, self.B[c]
+        m, sem = self.kb.core(c).mxu, B["sem"]
+        items = p.core_items(c)
+        first_of_term = {}
+        for n, it in enumerate(items):
+            first_of_term.setdefault(p.term(it), n)
+        x_rows_waited = 0
+
+        def gate_up(n: int) -> None:
+            nonlocal x_rows_waited
+            j = items[n][2]
+            w = p.slices[j][1]
+            rows, _, x = self._rows_of(c, n)
+            if n == 0:
+                m.wait(sem["xq_ready"], 1)
+            if p.routed and not items[n][0] and first_of_term[p.term(items[n])] == n:
+                x_rows_waited += 1  # the slot's x rows, gathered after the routing (and quantised)
+                if self._quantise_rows:
+                    m.wait(sem["x_quant"], x_rows_waited)
+                else:
+                    m.wait(*self._x_rows_ready(c, x_rows_waited - 1))
+            m.wait(sem["loaded"], n + 1)
+            if n >= 2:  # the vector unit has read this accumulator's previous item
+                m.wait(sem["gu_read"], n - 1)
+            m.matmul_mx(B["acc_gu"][n % 2].sub(0, 0, rows, 2 * w), x, self._views(c, n, j).gu,
+                        mode="overwrite")
+            m.signal(sem["gu_done"])
+
+        sh_blocks = 0
+
+        def down(n: int) -> None:
+            nonlocal sh_blocks
+            j = items[n][2]
+            w = p.slices[j][1]
+            rows, row, _ = self._rows_of(c, n)
+            m.wait(sem["act_ready"], n + 1)
+            if p.routed and items[n][0]:  # a shared item: its T rows, block by block (drained by the vpu)
+                dn = self._views(c, n, j).down
+                for h0 in range(0, p.h, p.sh_block):
+                    hw = min(p.sh_block, p.h - h0)
+                    if sh_blocks >= 2:
+                        m.wait(sem["sh_drained"], sh_blocks - 1)
+                    m.matmul_mx(B["acc_sh"][sh_blocks % 2].sub(0, 0, rows, hw),
+                                B["aq"][n % 2].sub(0, 0, rows, w),
+                                dn.sub(0, h0, dn.codes.rows, hw), mode="overwrite")
+                    m.signal(sem["sh_block"])
+                    sh_blocks += 1
+                m.signal(sem["freed"])
+                return
+            first = first_of_term[p.term(items[n])] == n if p.routed else n == 0
+            m.matmul_mx(B["acc_out"].sub(row, 0, rows, p.h), B["aq"][n % 2].sub(0, 0, rows, w),
+                        self._views(c, n, j).down, mode="overwrite" if first else "accumulate")
+            m.signal(sem["freed"])
+
+        for n in range(len(items)):
+            gate_up(n)
+            if n:
+                down(n - 1)
+        down(len(items) - 1)
+        if _bias_terms(p, c):  # acc += [w_hi w_mid w_lo ...] @ [b2; b2; b2; ...] for this core's terms
+            rows = p.rows_on(c) if p.routed else p.t
+            m.wait(sem["bias_ready"], 1)
+            m.matmul(B["acc_out"].sub(0, 0, rows, p.h), B["wall"].sub(0, 0, rows, p.bias_cols), B["b2all"],
+                     mode="accumulate")
+            m.signal(sem["bias_done"])
+
+    def _emit_bias_terms(self, v: Any, c: int, q: int, row: int, weight: Tile, down_bias: Tile) -> None:
+        """Columns 3q..3q+2 (rows row..row+R) of the down-bias matmul: the weight's BF16 parts, and
+        three copies of the term's down bias (copied out of its chunk before the buffer is reused)."""
+        B = self.B[c]
+        wall, res = B["wall"], B["bres"]
+        rows = weight.rows
+        src = weight
+        for part in range(BIAS_PARTS):
+            col = wall.sub(row, BIAS_PARTS * q + part, rows, 1)
+            v.copy(col, src)  # rounds to BF16
+            if part < BIAS_PARTS - 1:
+                v.sub(res.sub(0, 0, rows, 1), src, col)  # the remainder, exact in FP32
+                src = res.sub(0, 0, rows, 1)
+            v.copy(B["b2all"].sub(BIAS_PARTS * q + part, 0, 1, down_bias.cols), down_bias)
+
+    def _emit_activations(self, c: int) -> None:
+        """Vector unit: per item, gate|up out of the accumulator (+ biases), the activation, times
+        each row's gate weight, quantised for the down projection; then the partial out."""
+        p, B, shape = self.p, self.B[c], self.shape
+        v, sem = self.kb.core(c).vpu, B["sem"]
+        items = p.core_items(c)
+        gu, tmp, aq = B["gu"], B["tmp"], B["aq"]
+        bias_items = _bias_terms(p, c)
+        # Routed: shared items (index -> (first, last) of the term on this core) and drains so far.
+        shared_items: dict[int, tuple[bool, bool]] = {}
+        if p.routed:
+            for n, it in enumerate(items):
+                if it[0]:
+                    shared_items[n] = (n == 0 or items[n - 1][:2] != it[:2],
+                                       n == len(items) - 1 or items[n + 1][:2] != it[:2])
+        drains = [0]
+        # Slot q's gathered x rows are quantised before the activation of the item before its
+        # first (the matrix unit's gate|up of that first item then need not wait for it).
+        quantise_at: dict[int, list[tuple[int, int]]] = {}
+        if self._quantise_rows:
+            slots = [u for u, _ in p.core_terms(c) if u >= p.s]
+            for q, u in enumerate(slots):
+                first = next(n for n, it in enumerate(items) if p.term(it) == u)
+                quantise_at.setdefault(max(0, first - 1), []).append((q, u))
+        for n, (is_shared, slot, j) in enumerate(items):
+            for q, u in quantise_at.get(n, ()):
+                rows_u = p.term_rows(u)
+                xb = B["xb"][q].sub(0, 0, rows_u, p.h)
+                v.wait(*self._x_rows_ready(c, q))
+                v.quantize(xb.codes, xb.scales, B["xs"][q].sub(0, 0, rows_u, p.h))
+                v.signal(sem["x_quant"])
+            w = p.slices[j][1]
+            rows, row, _ = self._rows_of(c, n)
+            g_t, u_t, a_t = gu.sub(0, 0, rows, w), gu.sub(0, w, rows, w), tmp.sub(0, 0, rows, w)
+            views = self._views(c, n, j)
+            v.wait(sem["gu_done"], n + 1)
+            v.acc_read(gu.sub(0, 0, rows, 2 * w), B["acc_gu"][n % 2].sub(0, 0, rows, 2 * w))
+            v.signal(sem["gu_read"])
+            if is_shared:
+                wcol = None
+            elif p.routed:  # the row's weight in the slot's list
+                wcol = column(B["pw"], p.o_row(p.s + slot), rows)
+            else:  # the token's gate weight for this slot's expert: row `slot` of the [D, T] table
+                wcol = view(B["slot_w"], slot * p.t * 4, "f32", p.t, 1, 4)
+            if p.expert_bias:
+                v.add(gu.sub(0, 0, rows, 2 * w), gu.sub(0, 0, rows, 2 * w), views.gu_bias)
+                if j == 0 and is_shared and p.routed:  # added to the rows once they are complete
+                    v.copy(B[f"b2sh{slot}"], views.down_bias)
+                elif j == 0:
+                    weight = B["onecol"].sub(0, 0, rows, 1) if is_shared else wcol
+                    self._emit_bias_terms(v, c, bias_items.index(n), row, weight, views.down_bias)
+                    if n == bias_items[-1]:
+                        v.signal(sem["bias_ready"])
+            emit_activation(v, B.get("ones"), g_t, u_t, a_t, shape["activation"])
+            if n >= 2:  # aq[n % 2] is free once the down matmul of item n - 2 is done
+                v.wait(sem["freed"], n - 1)
+            dst = aq[n % 2].sub(0, 0, rows, w)
+            if shape["act_fmt"] == "bf16":
+                if wcol is None:
+                    v.copy(dst, a_t)
+                else:
+                    v.mul(dst, a_t, wcol)
+            else:
+                if wcol is not None:
+                    v.mul(a_t, a_t, wcol)
+                v.quantize(dst.codes, dst.scales, a_t)
+            v.signal(sem["act_ready"])
+            if n and shared_items.get(n - 1):  # the previous shared item's down blocks (done meanwhile)
+                self._emit_shared_drain(c, n - 1, shared_items, drains)
+        if shared_items.get(len(items) - 1):
+            self._emit_shared_drain(c, len(items) - 1, shared_items, drains)
+        # --- partial out to scratchpad, for the other cores to pull ---
+        v.wait(sem["freed"], len(items))
+        if bias_items:
+            v.wait(sem["bias_done"], 1)
+        rows = p.rows_on(c) if p.routed else p.t
+        if rows:
+            v.acc_read(B["partial"].sub(0, 0, rows, p.h), B["acc_out"].sub(0, 0, rows, p.h))
+
+    def _emit_shared_drain(self, c: int, n: int, shared_items: dict[int, tuple[bool, bool]],
+                           drains: list[int]) -> None:
+        """Routed: the vector unit adds shared item n's down-projection blocks into the term's
+        [T, H] rows in the scratchpad (the term's first item on this core writes them); after the
+        term's last item here, the core holding slice 0 adds the down bias (weight 1: exactly the
+        bias matmul's sum)."""
+        p, B = self.p, self.B[c]
+        v, sem = self.kb.core(c).vpu, B["sem"]
+        first, last = shared_items[n]
+        slot = p.core_items(c)[n][1]
+        rows = B[f"sh_part{slot}"]
+        if drains[0] == 0:  # the rows reuse the routing's tiles: every core has pulled its logits
+            v.wait(self.g["pulled_all"], p.cores)
+        for h0 in range(0, p.h, p.sh_block):
+            hw = min(p.sh_block, p.h - h0)
+            acc = B["acc_sh"][drains[0] % 2].sub(0, 0, p.t, hw)
+            v.wait(sem["sh_block"], drains[0] + 1)
+            dst = rows.sub(0, h0, p.t, hw)
+            if first:
+                v.acc_read(dst, acc)
+            else:
+                tmp = B["tmp_sh"].sub(0, 0, p.t, hw)
+                v.acc_read(tmp, acc)
+                v.add(dst, dst, tmp)  # FP32 sums in item order
+            v.signal(sem["sh_drained"])
+            drains[0] += 1
+        if last and p.expert_bias and p.holders(slot)[0] == c:
+            v.add(rows, rows, B[f"b2sh{slot}"])
+        if last and p.holders(slot) == (c,):  # complete: the combining cores may copy its rows
+            v.signal(sem["sh_done"])
+
+    def _shared_ready(self, u: int) -> tuple[int, Ready]:
+        """(owner core, the condition after which its [T, H] rows of shared term u are complete)."""
+        p = self.p
+        owner = p.holders(u)[0]
+        sem = self.B[owner]["sem"]
+        if len(p.holders(u)) > 1:
+            return owner, (sem["owned_ready"].id, 1)
+        alone = [uu for uu, _ in p.core_terms(owner) if uu < p.s and len(p.holders(uu)) == 1]
+        return owner, (sem["sh_done"].id, alone.index(u) + 1)  # one signal per such term, in order
+
+    # --- dense: reduction ---------------------------------------------------------------------
+    def _emit_reduction(self, c: int) -> None:
+        """Core c adds column slice c of every core's partial, in core order, and stores (or keeps)
+        y[:, slice]."""
+        p = self.p
+        h0, hk = p.red[c]
+        if hk == 0:
+            return
+        t, nq = p.t, self.nq
+        B, core = self.B[c], self.kb.core(c)
+        v = core.vpu
+        sem, red = B["sem"], B["red"]
+        ybuf, ysum = B["ybuf"].sub(0, 0, t, hk), B["ysum"].sub(0, 0, t, hk)
+        queues = [core.dma[q] for q in range(2 % nq, nq)][:2] or [core.dma[0]]
+        for q in queues:
+            q.wait(self.g["partials_ready"], p.cores)
+        # Rounds of `group` partials (the buffer holds one round): y = ((p0 + p1) + p2) + ...
+        for r, c_lo in enumerate(range(0, p.cores, p.group)):
+            for q in queues:
+                if r:
+                    q.wait(sem["red_free"], r)
+            for c2 in range(c_lo, min(p.cores, c_lo + p.group)):
+                queues[c2 % len(queues)].copy(red.sub((c2 - c_lo) * t, 0, t, hk),
+                                              self.B[c2]["partial"].sub(0, h0, t, hk))
+            for qi, q in enumerate(queues):  # one semaphore per queue: each wait names its signaller
+                q.signal(sem[f"red_loaded{qi}"])
+                v.wait(sem[f"red_loaded{qi}"], r + 1)
+            for c2 in range(c_lo, min(p.cores, c_lo + p.group)):
+                part = red.sub((c2 - c_lo) * t, 0, t, hk)
+                last = c2 == p.cores - 1
+                if c2 == 0:
+                    v.copy(ybuf if last else ysum, part)
+                else:  # the last sum is rounded to bf16 once
+                    v.add(ybuf if last else ysum, ysum, part)
+            v.signal(sem["red_free"])
+        v.signal(sem["y_ready"])
+        if self.y_out.in_hbm:
+            queues[0].wait(sem["y_ready"], 1)
+            queues[0].store(self.y_out.ref.hbm_view(0, h0, t, hk), ybuf)
+            queues[0].signal(sem["y_stored"])
+
+    # --- routed: terms completed, stored, combined ----------------------------------------------
+    def _o_table(self, cols: int | None = None) -> Tile:
+        ref = self.t["o_rows"]
+        return ref.base if cols is None else ref.base.sub(0, 0, ref.shape[0], cols)
+
+    def _term_rows_tile(self, c: int, u: int) -> Tile:
+        """Core c's rows of term u: a shared term's [T, H] rows in the scratchpad, a slot's rows
+        of its partial."""
+        p, B = self.p, self.B[c]
+        if u < p.s:
+            return B[f"sh_part{u}"]
+        row = next(r for uu, r in p.core_terms(c) if uu == u)
+        return B["partial"].sub(row, 0, p.term_rows(u), p.h)
+
+    def _emit_owner(self, c: int) -> None:
+        """Core c pulls the rows other cores computed of the term it owns last, adds them in core
+        order, and stores every term it owns into O."""
+        p, B = self.p, self.B[c]
+        core, sem = self.kb.core(c), B["sem"]
+        v, q3 = core.vpu, self.q(c, 3)
+        owned = [u for u, _ in p.core_terms(c)
+                 if p.holders(u)[0] == c and not (u < p.s and len(p.holders(u)) == 1)]
+        if not owned:
+            return
+        u_last = owned[-1]
+        others = p.holders(u_last)[1:]
+        rows = p.term_rows(u_last)
+        if others:  # the staging reuses this core's weight buffers: its items are done
+            q3.wait(sem["partial_ready"], 1)
+        for n, h in enumerate(others):
+            q3.wait(self.B[h]["sem"]["partial_ready"], 1)
+            q3.copy(B["stage"].sub(n * rows, 0, rows, p.h), self._term_rows_tile(h, u_last))
+            q3.signal(sem["staged"])
+        if others:
+            v.wait(sem["staged"], len(others))
+            part = self._term_rows_tile(c, u_last)
+            for n in range(len(others)):  # partials in core order: ((p_c + p_c+1) + ...)
+                v.add(part, part, B["stage"].sub(n * rows, 0, rows, p.h))
+        v.signal(sem["owned_ready"])
+        q3.wait(sem["owned_ready"], 1)
+        table = self._o_table()
+        slots = [u for u in owned if u >= p.s]
+        for u in slots:
+            q3.store(table.sub(p.o_row(u), 0, p.term_rows(u), p.h), self._term_rows_tile(c, u))
+        if slots:
+            q3.signal(self.g["o_stored"])
+
+    def _o_signals(self) -> int:
+        """Signals on o_stored once O is complete: each owner of slots' rows, the zero rows."""
+        p = self.p
+        owners = sum(1 for c in self.workers
+                     if any(u >= p.s and p.holders(u)[0] == c for u, _ in p.core_terms(c)))
+        return owners + 1
+
+    def _emit_zero_rows(self) -> None:
+        """Core 0 stores O's k zero rows (what a token with fewer than k positive picks adds)."""
+        B = self.B[0]
+        v, q2 = self.kb.core(0).vpu, self.q(0, 2)
+        v.signal(B["sem"]["zero_ready"])
+        q2.wait(B["sem"]["zero_ready"], 1)
+        table = self._o_table()
+        for r in range(self.p.k):
+            q2.store(table.sub(r, 0, 1, self.p.h), B["zrow"])
+        q2.signal(self.g["o_stored"])
+
+    def _emit_combine(self, c: int) -> None:
+        """Core c: its tokens' k rows of O gathered (one gather) and added in top-k order, then the
+        shared experts' rows, rounded to BF16 once; stored, or kept on chip."""
+        p, B = self.p, self.B[c]
+        core, sem = self.kb.core(c), B["sem"]
+        v, q2, q3 = core.vpu, self.q(c, 2), self.q(c, 3)
+        t0, n = p.combine_items()[c]
+        k, h = p.k, p.h
+        table = self._o_table()
+        q2.wait(sem["crl_ready"], 1)  # crl is this core's own
+        q2.wait(self.g["o_stored"], self._o_signals())
+        if p.s:  # g reuses the shared rows' tiles: every core has copied its shared rows
+            q2.wait(self.g["sh_copied"], len(p.combine_items()))
+        g = B["g"]
+        q2.gather(g.sub(0, 0, n * k, h), table, view(B["crl"], t0 * k * 4, "i32", n * k, 1, 4))
+        q2.signal(sem["c_loaded"])
+        loads = 1
+        if p.s:  # the shared experts' rows, copied from the scratchpad of the core that completed them
+            for s in range(p.s):
+                owner, ready = self._shared_ready(s)
+                q3.wait(*ready)
+                q3.copy(B[f"gs{s}"].sub(0, 0, n, h), self.B[owner][f"sh_part{s}"].sub(t0, 0, n, h))
+            q3.signal(sem["c_loaded"])
+            q3.signal(self.g["sh_copied"])
+            loads += 1
+        v.wait(sem["c_loaded"], loads)  # the gather and the shared rows' loads (one signal each)
+        terms = [Tile(g.space, g.core, g.offset + j * h * 4, "f32", n, h, k * h * 4) for j in range(k)]
+        terms += [B[f"gs{s}"].sub(0, 0, n, h) for s in range(p.s)]
+        ysum, ybuf = B["ysum"].sub(0, 0, n, h), B["ybuf"].sub(0, 0, n, h)
+        if len(terms) == 1:
+            v.copy(ybuf, terms[0])
+        else:
+            for m, term in enumerate(terms[1:], start=1):
+                dst = ybuf if m == len(terms) - 1 else ysum
+                v.add(dst, terms[0] if m == 1 else ysum, term)
+        v.signal(sem["y_ready"])
+        if self.y_out.in_hbm:
+            q2.wait(sem["y_ready"], 1)
+            q2.store(self.y_out.ref.hbm_view(t0, 0, n, h), ybuf)
+            q2.signal(sem["y_stored"])
+
+
+def _layout(parts: tuple[Spec, ...]) -> tuple[list[tuple[str, int, str, tuple]], int]:
+    """64-byte aligned offsets of consecutive tiles in one region: ([(name, offset, dtype, shape)], bytes)."""
+    out, off = [], 0
+    for name, dtype, shape in parts:
+        out.append((name, off, dtype, shape))
+        off += aligned(dtype, shape)
+    return out, off
+
+
+def _union(kb: KernelBuilder, c: int, name: str, layouts: tuple[tuple[Spec, ...], ...]) -> dict[str, Tile]:
+    """One scratchpad region shared by several sets of tiles that are live at different times
+    (the semaphores that order their uses also order the reuse; the checker verifies it)."""
+    laid = [_layout(parts) for parts in layouts]
+    size = max(n for _, n in laid)
+    if size == 0:
+        return {}
+    region = kb.sram(c, name, (1, size), "u8")
+    return {tn: view(region, off, dt, *shape) for parts, _ in laid for tn, off, dt, shape in parts}
+
+
+def emit_slots(ctx: EmitCtx, p: MoePlan, shape: dict[str, Any], tensors: dict[str, TensorRef],
+               outs: dict[str, Out]) -> Emitter:
+    """Emit the slot program for plan ``p`` (module docstring).
+
+    Args:
+        ctx: the emit context. p: the plan (``plan_slots`` within ``ctx.budget``).
+        shape: the kernel's full shape.
+        tensors: a ref for every tensor of ``slot_tensors`` but the outputs: x [T, H] bf16 (HBM or
+            on chip); the router panels, biases and packed tables in HBM; routed: the HBM scratch
+            ``xq`` and ``o_rows``.
+        outs: "y" (and "expert_ids" with routed experts): ``Out.to(ref)`` or ``Out.onchip()``.
+
+    Yields/returns ``{"y": ..., "expert_ids": ...}``.
+    """
+    prog = _Program(ctx, p, shape, tensors, outs)
+    prog.prefetch()
+    refs = prog.outputs()
+    yield refs
+    prog.rest()
+    return refs

@@ -84,6 +84,14 @@ def _flash_ref(q, kt, v, valid, tiles, sink):
     Returns:
         float32[..., R, D] of BF16 values.
     """
+    _, lsum, o_acc = _flash_partial(q, kt, v, valid, tiles, sink)
+    return (o_acc * (jnp.float32(1) / lsum)).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _flash_partial(q, kt, v, valid, tiles, sink):
+    """The unnormalised state (m, l, O) after the online softmax over ``tiles`` (``_flash_ref``'s
+    arguments): FP32 row max [..., R, 1], row sum [..., R, 1] and output [..., R, D], as a KV
+    split leaves them before the merge."""
     mask = jnp.where(valid, jnp.float32(0), jnp.float32(MASK_VALUE))
     hi = "highest"
     m = lsum = o_acc = None
@@ -106,7 +114,33 @@ def _flash_ref(q, kt, v, valid, tiles, sink):
             l_new = lsum * alpha + rs
             o_acc = o_acc * alpha + o
         m, lsum = m_new, l_new
-    return (o_acc * (jnp.float32(1) / lsum)).astype(jnp.bfloat16).astype(jnp.float32)
+    return m, lsum, o_acc
+
+
+def _split_merge_ref(parts):
+    """Flash-decoding's merge of KV splits' partial states, in split order, as the kernel does it:
+    m = max_i m_i; a_i = exp(m_i - m); l = sum_i a_i l_i (in split order, from 0); O = O_0 a_0,
+    then O += O_i a_i; out = bf16(O * (1 / l)).
+
+    Args:
+        parts: [(m, l, O)] per split, as ``_flash_partial`` returns them (split 0 with the sinks).
+    Returns:
+        float32[..., R, D] of BF16 values.
+    """
+    if len(parts) == 1:
+        _, lsum, o = parts[0]
+        return (o * (jnp.float32(1) / lsum)).astype(jnp.bfloat16).astype(jnp.float32)
+    m = parts[0][0]
+    for mi, _, _ in parts[1:]:
+        m = jnp.maximum(m, mi)
+    a = [jnp.exp(mi - m) for mi, _, _ in parts]
+    lsum = jnp.float32(0) + parts[0][1] * a[0]
+    for (_, li, _), ai in zip(parts[1:], a[1:], strict=True):
+        lsum = lsum + li * ai
+    o = parts[0][2] * a[0]
+    for (_, _, oi), ai in zip(parts[1:], a[1:], strict=True):
+        o = o + oi * ai
+    return (o * (jnp.float32(1) / lsum)).astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def naive_attention(q, k, v, valid, sinks=None) -> np.ndarray:

@@ -19,8 +19,9 @@ def _tiny(scratchpad: str):
 
 
 def test_decode_small_path_matches_reference_over_head_groups_and_batch_blocks():
-    # 28 KiB: two groups of 4 heads, GEMM jobs of 8 sequences (two blocks for 9), padded context.
-    r = run_kernel("mla-decode", {"batch": 9, "context": 40}, preset=_tiny("28KiB"), check=True)
+    # 24 KiB (a plan within 95 % of it): two groups of 4 heads, GEMM jobs of 8 sequences (two
+    # blocks for 9), padded context.
+    r = run_kernel("mla-decode", {"batch": 9, "context": 40}, preset=_tiny("24KiB"), check=True)
     assert r.notes["path"] == "small-scratchpad"
     assert r.notes["head_group"] < 8 and r.notes["gemm_rows"] < 9 and r.notes["padded_tokens"] > 0
     assert r.check["passed"], r.check
@@ -41,11 +42,13 @@ def test_prefill_small_path_matches_reference_with_prior():
 
 
 def test_v1_keeps_its_programs():
-    # Pinned before the small-scratchpad path existed: the v1 tiling still builds the same program.
-    r = run_kernel("mla-decode", {**DEEPSEEK_TP8, "batch": 8, "context": 1000}, preset="jalapeno-v1",
-                   safety_checks=False)
-    assert "path" not in r.notes
-    assert r.summary["instructions"] == 1272
+    # Pinned before the small-scratchpad path existed: the one-core-per-sequence v1 tiling still
+    # times the same (16 more instructions than then: each head core signals when its output
+    # columns are stored, what a fused program's next operator waits for; signals take no time).
+    r = run_kernel("mla-decode", {**DEEPSEEK_TP8, "batch": 8, "context": 1000, "kv_splits": 1},
+                   preset="jalapeno-v1", safety_checks=False)
+    assert "path" not in r.notes and r.notes["kv_splits"] == 1
+    assert r.summary["instructions"] == 1272 + 16
     assert r.summary["time_s"] == pytest.approx(1.4809934307359305e-05, rel=1e-12)
 
 
@@ -71,4 +74,4 @@ def test_deepseek_tp8_prefill_chunk_builds_on_b200_timing_only():
 ])
 def test_too_small_scratchpad_is_refused_with_numbers(kernel, shape):
     with pytest.raises(InvalidArgumentError, match=r"cannot hold this shape.*\d,\d{3} B of scratchpad"):
-        run_kernel(kernel, shape, preset=_tiny("16KiB"))
+        run_kernel(kernel, shape, preset=_tiny("14KiB"))

@@ -83,8 +83,10 @@ from jalapeno_emu.isa.builder import CoreHandle, EngineHandle, KernelBuilder, Se
 from jalapeno_emu.isa.table import DTYPES
 
 from .attention_ref import yarn_cos_sin
-from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
+from .emit import EmitCtx, Emitter, Out, TensorRef, fetch, run_emitter
 from .mla import latent_cache_capacity
+from .planning import Budget
 from .registry import register
 
 __all__ = [
@@ -313,50 +315,100 @@ def _nbytes(rows: int, cols: int, dtype: str) -> int:
 _SPREAD_STORES = 4  # a job with more stores than this spreads them over every DMA queue
 
 
+@dataclass(frozen=True)
+class _From:
+    """A load source that is a region of a tensor given to the emitter: rows r0.. and columns c0..
+    of ``ref`` (the destination tile's shape), loaded with :func:`fetch` (waiting for the
+    regions its writers have not finished; on-chip pieces copied scratchpad to scratchpad)."""
+
+    ref: TensorRef
+    r0: int
+    c0: int
+
+
 @dataclass
 class _Job:
     """One core's block of rows: what to load, store as loaded, compute, and store after.
 
-    loads: (SRAM dst, HBM src); passthrough: (HBM dst, SRAM src) stored as soon as loaded;
-    compute(core, ready): issues the job's work; the vector unit has waited for the loads
-    already, other engines it uses wait on ``ready`` (semaphore, value) themselves; the vector
-    unit's last instruction must come after all of it. stores: (HBM dst, SRAM src) after it.
+    loads: (SRAM dst, HBM src tile or :class:`_From`); passthrough: (HBM dst, SRAM src) stored
+    as soon as loaded; compute(core, ready): issues the job's work; the vector unit has waited
+    for the loads already, other engines it uses wait on ``ready`` (semaphore, value)
+    themselves; the vector unit's last instruction must come after all of it. stores: (HBM dst,
+    SRAM src) after it.
     """
 
-    loads: list[tuple[Tile, Tile]] = field(default_factory=list)
+    loads: list[tuple[Tile, Tile | _From]] = field(default_factory=list)
     passthrough: list[tuple[Tile, Tile]] = field(default_factory=list)
     compute: Callable[[CoreHandle, tuple[Semaphore, int]], None] | None = None
     stores: list[tuple[Tile, Tile]] = field(default_factory=list)
 
 
-def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job],
-               mxu_reads_consts: bool = False) -> None:
-    """Issue core ``c``'s jobs on two buffer slots: slot s loads on queue s and stores on queue
-    2+s (many stores: on every queue); a slot is reloaded once its previous job is stored; the
-    vector unit (and with ``mxu_reads_consts`` the matrix unit) starts once the constants
-    (``consts``, queue 0) have landed."""
-    if not jobs:
+@dataclass
+class _CorePlan:
+    """One core's pipeline, planned before any of it is emitted (a fused program hands over its
+    outputs' readiness before the work): its semaphores and, per job, the condition under which
+    all of that job's stores (passthrough included) have landed (``stored``)."""
+
+    c: int
+    consts: list[tuple[Tile, Tile]]
+    jobs: list[_Job]
+    mxu_reads_consts: bool
+    sem: dict[str, list[Semaphore]]
+    ready: Semaphore | None
+    stored: list[tuple[int, int]]
+
+
+def _plan_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job],
+               mxu_reads_consts: bool = False) -> _CorePlan:
+    """Semaphores and per-job store conditions of core ``c``'s pipeline (see ``_emit_core``)."""
+    slots = min(2, len(jobs))
+    nq = len(kb.core(c).dma)
+    sem = {n: [kb.semaphore(f"c{c}.{n}{s}") for s in range(slots)] for n in ("loaded", "done", "stored")}
+    ready = kb.semaphore(f"c{c}.consts") if consts and jobs else None
+    signals, stored = [0] * max(slots, 1), []
+    for j, job in enumerate(jobs):
+        s = j % slots
+        spread = len(job.stores) > _SPREAD_STORES
+        queues = nq if spread else 1
+        # the store queue always signals; the others only when they got a share of the stores
+        signals[s] += 1 + sum(1 for k in range(1, queues) if job.stores[k::queues])
+        stored.append((sem["stored"][s].id, signals[s]))
+    return _CorePlan(c, consts, jobs, mxu_reads_consts, sem, ready, stored)
+
+
+def _prefetch_core(kb: KernelBuilder, p: _CorePlan) -> None:
+    """The constants' loads on queue 0 (what a fused program streams in early)."""
+    if p.ready is None:
         return
+    core = kb.core(p.c)
+    for dst, src in p.consts:
+        core.dma[0].load(dst, src)
+    core.dma[0].signal(p.ready)
+
+
+def _run_core(kb: KernelBuilder, p: _CorePlan, waited: dict[Any, set] | None = None) -> None:
+    """Issue the jobs of ``p`` on two buffer slots: slot s loads on queue s and stores on queue
+    2+s (many stores: on every queue); a slot is reloaded once its previous job is stored."""
+    if not p.jobs:
+        return
+    c, jobs, sem = p.c, p.jobs, p.sem
     core, slots = kb.core(c), min(2, len(jobs))
     nq = len(core.dma)
-    sem = {n: [kb.semaphore(f"c{c}.{n}{s}") for s in range(slots)] for n in ("loaded", "done", "stored")}
-    if consts:
-        ready = kb.semaphore(f"c{c}.consts")
-        for dst, src in consts:
-            core.dma[0].load(dst, src)
-        core.dma[0].signal(ready)
-        core.vpu.wait(ready, 1)
-        if mxu_reads_consts:
-            core.mxu.wait(ready, 1)
-    stored_after: list[int] = []  # count of stored[slot] once job j is stored
-    signals = [0] * slots
+    waited = {} if waited is None else waited
+    if p.ready is not None:
+        core.vpu.wait(p.ready, 1)
+        if p.mxu_reads_consts:
+            core.mxu.wait(p.ready, 1)
     for j, job in enumerate(jobs):
         s, use = j % slots, j // slots + 1
         lq, sq = core.dma[s % nq], core.dma[(2 + s) % nq]
         if j >= slots:
-            lq.wait(sem["stored"][s], stored_after[j - slots])
+            lq.wait(sem["stored"][s], p.stored[j - slots][1])
         for dst, src in job.loads:
-            lq.load(dst, src)
+            if isinstance(src, _From):
+                fetch([lq], dst, src.ref, src.r0, src.c0, waited=waited)
+            else:
+                lq.load(dst, src)
         lq.signal(sem["loaded"][s])
         loaded = (sem["loaded"][s], use)
         sq.wait(*loaded)
@@ -378,8 +430,18 @@ def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs:
             for dst, src in share:
                 q.store(dst, src)
             q.signal(sem["stored"][s])
-            signals[s] += 1
-        stored_after.append(signals[s])
+
+
+def _emit_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job],
+               mxu_reads_consts: bool = False) -> _CorePlan:
+    """Issue core ``c``'s jobs on two buffer slots: slot s loads on queue s and stores on queue
+    2+s (many stores: on every queue); a slot is reloaded once its previous job is stored; the
+    vector unit (and with ``mxu_reads_consts`` the matrix unit) starts once the constants
+    (``consts``, queue 0) have landed. Returns the plan (its per-job store conditions)."""
+    p = _plan_core(kb, c, consts, jobs, mxu_reads_consts)
+    _prefetch_core(kb, p)
+    _run_core(kb, p)
+    return p
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -466,6 +528,7 @@ class _KvGeom:
     pad_k: int
     pad_s: int
     fp8: bool
+    heads: int = 1
 
     @property
     def blk(self) -> int:
@@ -476,30 +539,52 @@ class _KvGeom:
         return (self.ctx - 1) % 32
 
 
-def _kv_hbm(kb: KernelBuilder, bsz: int, g: _KvGeom) -> dict[str, Tile]:
-    """The HBM tensors (attention-decode's names and shapes for the caches) and useful views."""
+def _kv_hbm_alloc(kb: KernelBuilder, bsz: int, g: _KvGeom) -> dict[str, TensorRef]:
+    """The stand-alone launch's HBM tensors (attention-decode's names and shapes for the caches),
+    allocated in the order its program has always had them."""
     d, kvd = g.d, "fp8e4" if g.fp8 else "bf16"
-    t = {"k_new": kb.hbm("k_new", (bsz, g.items * d // bsz), "bf16"),
-         "v_new": kb.hbm("v_new", (bsz, g.items * d // bsz), "bf16"),
-         "rope_cos": kb.hbm("rope_cos", (1, d // 2), "f32"),
-         "rope_sin": kb.hbm("rope_sin", (1, d // 2), "f32"),
-         "k_cache": kb.hbm("k_cache", (g.items * d, g.cap + g.pad_k), kvd),
-         "v_cache": kb.hbm("v_cache", (g.items * g.cap, d), kvd)}
+    names = [("k_new", (bsz, g.items * d // bsz), "bf16"), ("v_new", (bsz, g.items * d // bsz), "bf16"),
+             ("rope_cos", (1, d // 2), "f32"), ("rope_sin", (1, d // 2), "f32"),
+             ("k_cache", (g.items * d, g.cap + g.pad_k), kvd), ("v_cache", (g.items * g.cap, d), kvd)]
     if g.fp8:
-        t["k_cache.scales"] = kb.hbm("k_cache.scales", (g.items * d // 32, g.cap + g.pad_s), "e8m0")
-        t["v_cache.scales"] = kb.hbm("v_cache.scales", (g.items * g.cap // 32, d), "e8m0")
-        t["eye"] = kb.hbm("eye", (d, d), "bf16")
-        t["v_blocks"] = _packed(t["v_cache"], g.items * g.cap // 32, 32 * d)  # a row per 32-token block
-    t["k_rows"], t["v_rows"] = _packed(t["k_new"], g.items, d), _packed(t["v_new"], g.items, d)  # b*G + g
-    return t
+        names += [("k_cache.scales", (g.items * d // 32, g.cap + g.pad_s), "e8m0"),
+                  ("v_cache.scales", (g.items * g.cap // 32, d), "e8m0"), ("eye", (d, d), "bf16")]
+    return {n: TensorRef.hbm(n, kb.hbm(n, sh, dt)) for n, sh, dt in names}
 
 
-def _kv_bf16_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], rot: dict[str, Tile], i0: int,
+def _rows_loads(ref: TensorRef, dst: Tile, i0: int, n: int, per: int,
+                w: int) -> list[tuple[Tile, Tile | _From]]:
+    """Loads of rows i0 .. i0+n of ``ref`` [tokens, per*w] seen as [tokens*per, w] (row
+    token*per + k: the token's k-th ``w``-wide slice: a KV head's key, a query head's row) into
+    ``dst`` (packed [n, w]).
+
+    A packed HBM tensor that is ready at the start is one load of the [tokens*per, w] view (the
+    stand-alone program); otherwise (a producer's output on chip, or one it stores tile by tile)
+    one fetch per run of whole tokens and one per partial token at either end."""
+    if ref.in_hbm and not ref.waits() and ref.base.contiguous:
+        return [(dst, _packed(ref.base, ref.shape[0] * per, w).sub(i0, 0, n, w))]
+    out: list[tuple[Tile, Tile | _From]] = []
+    i, end = i0, i0 + n
+    while i < end:
+        tok, k = divmod(i, per)
+        if k == 0 and end - i >= per:
+            m = (end - i) // per
+            out.append((_packed(dst, m, per * w, byte_off=(i - i0) * dst.stride), _From(ref, tok, 0)))
+            i += m * per
+        else:
+            m = min(end, (tok + 1) * per) - i
+            out.append((_packed(dst, 1, m * w, byte_off=(i - i0) * dst.stride), _From(ref, tok, k * w)))
+            i += m
+    return out
+
+
+def _kv_bf16_job(g: _KvGeom, hbm: dict[str, Any], tl: dict[str, Tile], rot: dict[str, Tile], i0: int,
                  n: int) -> _Job:
     """Items i0..i0+n (BF16): rotate K; V stored as loaded."""
     d, ctx, cap = g.d, g.ctx, g.cap
     return _Job(
-        loads=[(tl["kin"], hbm["k_rows"].sub(i0, 0, n, d)), (tl["v"], hbm["v_rows"].sub(i0, 0, n, d))],
+        loads=[*_rows_loads(hbm["k_new"], tl["kin"], i0, n, g.heads, d),
+               *_rows_loads(hbm["v_new"], tl["v"], i0, n, g.heads, d)],
         # row i0*cap + ctx-1 of V, then every cap-th row: the next (sequence, head)'s
         passthrough=[(_rows_every(hbm["v_cache"], i0 * cap + ctx - 1, n, cap), tl["v"])],
         compute=functools.partial(_rotate_job, **rot),
@@ -507,13 +592,14 @@ def _kv_bf16_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], rot: dic
         stores=[(hbm["k_cache"].sub(i0 * d, ctx - 1, n * d, 1), _packed(tl["kout"], n * d, 1))])
 
 
-def _kv_fp8_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], compute: Callable, i0: int,
+def _kv_fp8_job(g: _KvGeom, hbm: dict[str, Any], tl: dict[str, Tile], compute: Callable, i0: int,
                 n: int) -> _Job:
     """Items i0..i0+n (MXFP8): K codes and scales as columns; the V blocks in, re-quantised, and
     back a token row at a time (see ``build_kv_append``)."""
     d, ctx, cap, per = g.d, g.ctx, g.cap, g.cap // 32
     first = i0 * per + g.blk  # item i0's block: a row of v_blocks and of the V scales
-    job = _Job(loads=[(tl["kin"], hbm["k_rows"].sub(i0, 0, n, d)), (tl["v"], hbm["v_rows"].sub(i0, 0, n, d)),
+    job = _Job(loads=[*_rows_loads(hbm["k_new"], tl["kin"], i0, n, g.heads, d),
+                      *_rows_loads(hbm["v_new"], tl["v"], i0, n, g.heads, d),
                       (_packed(tl["vold"], n, 32 * d), _rows_every(hbm["v_blocks"], first, n, per)),
                       (tl["vold_s"], _rows_every(hbm["v_cache.scales"], first, n, per))],
                compute=compute)
@@ -529,9 +615,25 @@ def _kv_fp8_job(g: _KvGeom, hbm: dict[str, Tile], tl: dict[str, Tile], compute: 
     return job
 
 
+def _kv_written(g: _KvGeom, i0: int, n: int) -> list[tuple[str, int, int, int, int]]:
+    """(cache tensor, r0, c0, rows, cols) regions items i0 .. i0+n write: a fused reader of the
+    cache waits for these and nothing else of it."""
+    d, ctx, cap = g.d, g.ctx, g.cap
+    out = [("k_cache", i0 * d, ctx - 1, n * d, 1)]
+    if not g.fp8:
+        return out + [("v_cache", i * cap + ctx - 1, 0, 1, d) for i in range(i0, i0 + n)]
+    per = cap // 32
+    out.append(("k_cache.scales", i0 * d // 32, ctx - 1, n * d // 32, 1))
+    for i in range(i0, i0 + n):
+        out += [("v_cache", i * cap + g.blk * 32, 0, g.j + 1, d),
+                ("v_cache.scales", i * per + g.blk, 0, 1, d)]
+    return out
+
+
 def _kv_core(kb: KernelBuilder, c: int, items: range, per_job: int, slots: int, g: _KvGeom,
-             hbm: dict[str, Tile]) -> None:
-    """Core ``c``'s share: ``items`` in jobs of ``per_job`` on ``slots`` buffer slots."""
+             hbm: dict[str, Any]) -> tuple[_CorePlan, list[range]]:
+    """Core ``c``'s share, planned: ``items`` in jobs of ``per_job`` on ``slots`` buffer slots;
+    also each job's items."""
     d, h = g.d, g.d // 2
     slot_specs, shared_specs, acc_specs = _kv_buffers(per_job, d, g.fp8)
     buf = {name: [kb.sram(c, f"{name}{s}", sh, dt) for s in range(slots)] for name, sh, dt in slot_specs}
@@ -543,7 +645,7 @@ def _kv_core(kb: KernelBuilder, c: int, items: range, per_job: int, slots: int, 
         eye = kb.sram(c, "eye", (d, d), "bf16")
         consts.append((eye, hbm["eye"]))
         sem = {n: kb.semaphore(f"c{c}.{n}") for n in ("deq", "vready", "tr")}
-    jobs = []
+    jobs, spans = [], []
     for k, i0 in enumerate(range(items.start, items.stop, per_job)):
         n, s = min(per_job, items.stop - i0), k % slots
         slot_n, _, acc_n = _kv_buffers(n, d, g.fp8)  # this job's shapes (the last may be smaller)
@@ -557,7 +659,96 @@ def _kv_core(kb: KernelBuilder, c: int, items: range, per_job: int, slots: int, 
             jobs.append(_kv_fp8_job(g, hbm, tl, compute, i0, n))
         else:
             jobs.append(_kv_bf16_job(g, hbm, tl, rot, i0, n))
-    _emit_core(kb, c, consts, jobs, mxu_reads_consts=g.fp8)
+        spans.append(range(i0, i0 + n))
+    return _plan_core(kb, c, consts, jobs, mxu_reads_consts=g.fp8), spans
+
+
+def _kv_plan(shape: dict[str, Any], spec: ChipSpec,
+             budget: Budget) -> tuple[_KvGeom, list[tuple[int, int]], int, int]:
+    """(geometry, per-core item blocks, items per job, jobs per core) of a kv-append shape.
+
+    Raises:
+        InvalidArgumentError: a head_dim that is not a multiple of 32, or one item that does not
+            fit the budget.
+    """
+    _check_kv(shape)
+    bsz, ctx, hkv, d, kvd = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "kv_dtype"))
+    fp8 = kvd == "fp8e4"
+    h, items, cap = d // 2, bsz * hkv, -(-ctx // 32) * 32
+    # attention-decode's K^T row padding (elements) and that of its scale rows
+    g = _KvGeom(items=items, d=d, ctx=ctx, cap=cap, pad_k=spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits,
+                pad_s=spec.hbm.interleave_bytes, fp8=fp8, heads=hkv)
+    blocks = _split(items, min(budget.cores, items))
+    per_core = blocks[0][1] - blocks[0][0]
+    consts_bytes = 2 * _nbytes(1, h, "f32") + (_nbytes(d, d, "bf16") if fp8 else 0)
+    sram = min(budget.sram_bytes, int(spec.sram.scratchpad_bytes * _SRAM_SHARE)) - consts_bytes
+
+    def fits(n: list[int]) -> bool:
+        slot, shared, acc = (sum(_nbytes(*sh, dt) for _, sh, dt in specs)
+                             for specs in _kv_buffers(n[0], d, fp8))
+        return 2 * slot + shared <= sram and 2 * acc <= budget.acc_bytes
+
+    n_jobs = _jobs_needed([per_core], fits, f"shape key head_dim={d}: one (sequence, KV head) item "
+                          f"does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad or "
+                          f"{spec.sram.accumulator_bytes:,} B of accumulators")
+    return g, blocks, -(-per_core // n_jobs), n_jobs
+
+
+def emit_kv_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                   outs: dict[str, Out] | None = None) -> Emitter:
+    """Emit kv-append (``KernelDef.emit``): ``t`` holds k_new and v_new (token-major [batch,
+    kv_heads*head_dim], in HBM or on chip), rope_cos / rope_sin [1, head_dim/2] and the caches
+    (HBM, updated in place; fp8e4: with their ``.scales``); an ``eye`` [head_dim, head_dim] BF16
+    identity is the emitter's own constant unless given.
+
+    The prefetch part loads each core's RoPE row (and identity); the rest waits for the new
+    rows. Yields/returns the caches, each region a job writes ready once that job's stores
+    have landed (an attention reading the cache waits for the new token's bytes only).
+    """
+    kb, spec = ctx.kb, ctx.spec
+    g, blocks, per_job, n_jobs = _kv_plan(shape, spec, ctx.budget)
+    names = ("k_cache", "v_cache") + (("k_cache.scales", "v_cache.scales") if g.fp8 else ())
+    for name in names:
+        place = (outs or {}).get(name)
+        if place is not None and (place.ref is None or place.ref.base != t[name].base):
+            raise InvalidArgumentError(f"kv-append updates {name} in place: its output must be the "
+                                       "input tensor")
+    hbm: dict[str, Any] = {name: t[name].base for name in ("rope_cos", "rope_sin", *names)}
+    hbm |= {"k_new": t["k_new"], "v_new": t["v_new"]}
+    if g.fp8:
+        hbm["eye"] = t["eye"].base if "eye" in t else ctx.const("eye", np.eye(g.d, dtype=_BF16), "bf16")
+        hbm["v_blocks"] = _packed(hbm["v_cache"], g.items * g.cap // 32, 32 * g.d)  # a row per 32-token block
+    plans = [_kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm)
+             for c, (lo, hi) in enumerate(blocks)]
+    for p, _ in plans:
+        _prefetch_core(kb, p)
+    refs = {name: t[name] for name in names}
+    for p, spans in plans:
+        for cond, span in zip(p.stored, spans, strict=True):
+            for name, *region in _kv_written(g, span.start, len(span)):
+                refs[name] = refs[name].with_ready(*region, cond)
+    yield refs
+    waited: dict[Any, set] = {}
+    for p, _ in plans:
+        _run_core(kb, p, waited)
+    return refs
+
+
+def kv_append_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, ...]:
+    """kv-append's tensors: k_new, v_new (inputs, token-major [batch, kv_heads*head_dim]), the
+    RoPE row of position context-1 (weights) and the caches in attention-decode's layout (inout)."""
+    g, *_ = _kv_plan(shape, spec, Budget.of(spec))
+    bsz, d, kvd = shape["batch"], g.d, shape["kv_dtype"]
+    specs = [TensorSpec("k_new", (bsz, g.heads * d), "bf16", "input"),
+             TensorSpec("v_new", (bsz, g.heads * d), "bf16", "input"),
+             TensorSpec("rope_cos", (1, d // 2), "f32", "weight"),
+             TensorSpec("rope_sin", (1, d // 2), "f32", "weight"),
+             TensorSpec("k_cache", (g.items * d, g.cap + g.pad_k), kvd, "inout"),
+             TensorSpec("v_cache", (g.items * g.cap, d), kvd, "inout")]
+    if g.fp8:
+        specs += [TensorSpec("k_cache.scales", (g.items * d // 32, g.cap + g.pad_s), "e8m0", "inout"),
+                  TensorSpec("v_cache.scales", (g.items * g.cap // 32, d), "e8m0", "inout")]
+    return tuple(specs)
 
 
 def build_kv_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
@@ -579,32 +770,13 @@ def build_kv_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     0); earlier tokens keep their values when the new token does not raise the block's scale and
     are rounded to the new scale otherwise.
     """
-    _check_kv(shape)
-    bsz, ctx, hkv, d, kvd = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "kv_dtype"))
-    fp8 = kvd == "fp8e4"
-    h, items, cap = d // 2, bsz * hkv, -(-ctx // 32) * 32
-    # attention-decode's K^T row padding (elements) and that of its scale rows
-    g = _KvGeom(items=items, d=d, ctx=ctx, cap=cap, pad_k=spec.hbm.interleave_bytes * 8 // DTYPES[kvd].bits,
-                pad_s=spec.hbm.interleave_bytes, fp8=fp8)
-    pad_k, pad_s = g.pad_k, g.pad_s
-    blocks = _split(items, min(spec.core.count, items))
+    g, blocks, _, n_jobs = _kv_plan(shape, spec, Budget.of(spec))  # refuse before building
     per_core = blocks[0][1] - blocks[0][0]
-    consts_bytes = 2 * _nbytes(1, h, "f32") + (_nbytes(d, d, "bf16") if fp8 else 0)
-    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - consts_bytes
-
-    def fits(n: list[int]) -> bool:
-        slot, shared, acc = (sum(_nbytes(*sh, dt) for _, sh, dt in specs)
-                             for specs in _kv_buffers(n[0], d, fp8))
-        return 2 * slot + shared <= budget and 2 * acc <= spec.sram.accumulator_bytes
-
-    n_jobs = _jobs_needed([per_core], fits, f"shape key head_dim={d}: one (sequence, KV head) item "
-                          f"does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad or "
-                          f"{spec.sram.accumulator_bytes:,} B of accumulators")
-    per_job = -(-per_core // n_jobs)
+    bsz, ctx, hkv, d, kvd = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "kv_dtype"))
+    fp8, items, cap, pad_k, pad_s = g.fp8, g.items, g.cap, g.pad_k, g.pad_s
     kb = KernelBuilder(f"kv_append_b{bsz}_ctx{ctx}", chip=spec)
-    hbm = _kv_hbm(kb, bsz, g)
-    for c, (lo, hi) in enumerate(blocks):
-        _kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm)
+    refs = _kv_hbm_alloc(kb, bsz, g)
+    run_emitter(emit_kv_append(EmitCtx.standalone(kb), shape, refs))
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -665,6 +837,8 @@ KV_APPEND = register(KernelDef(
                  "reads it (re-quantises the new token's 32-token V block)", choices=("bf16", "fp8e4")),
     ),
     build=build_kv_append,
+    emit=lambda ctx, shape, t, outs: emit_kv_append(ctx, shape, t, outs),
+    tensors_of=kv_append_tensors,
 ))
 
 
@@ -812,6 +986,221 @@ def _cache_stores(cache: Tile, rows: Tile, g0: int, tokens: int, context: int,
     return out
 
 
+@dataclass(frozen=True)
+class _MlaPlan:
+    """How an mla-append shape runs: per-core query-row and latent-row blocks, RoPE windows, and
+    the jobs each core walks them in."""
+
+    q_blocks: list[tuple[int, int]]
+    kv_blocks: list[tuple[int, int]]
+    windows: list[_RopeWindow]
+    n_jobs: int
+    nq_job: int
+    nk_job: int
+    cap: int
+
+    @property
+    def cores(self) -> int:
+        return max(len(self.q_blocks), len(self.kv_blocks))
+
+
+def _mla_plan(shape: dict[str, Any], spec: ChipSpec, budget: Budget) -> _MlaPlan:
+    """Plan an mla-append shape within ``budget``.
+
+    Raises:
+        InvalidArgumentError: an impossible shape, or a query row and a cache row that do not fit.
+    """
+    cap = _check_mla(shape)
+    B, T, H = shape["batch"], shape["tokens"], shape["q_heads"]
+    N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
+    h, wq, wk = P // 2, N + P, R + P
+    cores = min(budget.cores, B * T * H)
+    q_blocks, kv_blocks = _split(B * T * H, cores), _split(B * T, cores)
+    q_per, kv_per = q_blocks[0][1] - q_blocks[0][0], kv_blocks[0][1] - kv_blocks[0][0]
+    n_cores = max(len(q_blocks), len(kv_blocks))
+    windows = [_rope_window(q_blocks[c] if c < len(q_blocks) else (0, 0),
+                            kv_blocks[c] if c < len(kv_blocks) else (0, 0), H, T) for c in range(n_cores)]
+    table_rows = max(w.rows for w in windows)
+    sram = (min(budget.sram_bytes, int(spec.sram.scratchpad_bytes * _SRAM_SHARE))
+            - 2 * _nbytes(table_rows, h, "f32"))
+
+    def fits(n: list[int]) -> bool:  # per slot the row buffers and packed rope parts; shared scratch
+        nq, nk = n
+        rows = max(nq, nk)
+        slot = sum(_nbytes(n, w, "bf16") for n, w in ((nq, wq), (nq, P), (nk, wk), (nk, P)))
+        return 2 * slot + 2 * _nbytes(rows, h, "bf16") + 2 * _nbytes(rows, h, "f32") <= sram
+
+    n_jobs = _jobs_needed([q_per, kv_per], fits,
+                          f"shape keys nope_dim={N}, rope_dim={P}, kv_lora_rank={R}, tokens={T}: one query "
+                          f"row and one cache row, with {table_rows} RoPE table rows, do not fit "
+                          f"{spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
+    if T > 1 and q_per >= 2 * H:
+        # A prefill chunk moves MBs per core: two jobs at least, so that the second's load
+        # overlaps the first's rotation and stores (at DeepSeek-R1's 2048-token chunk 19.9 -> 18.4
+        # us); a decode step (tokens 1) is latency-bound and keeps the fewest jobs.
+        n_jobs = max(n_jobs, 2)
+    return _MlaPlan(q_blocks, kv_blocks, windows, n_jobs, -(-q_per // n_jobs), -(-kv_per // n_jobs), cap)
+
+
+def _mla_job_rows(pl: _MlaPlan, c: int) -> list[tuple[int, int, int, int]]:
+    """Core ``c``'s jobs as (query rows r0, r1, latent rows b0, b1), empty ones left out."""
+    q_lo, q_hi = pl.q_blocks[c] if c < len(pl.q_blocks) else (0, 0)
+    k_lo, k_hi = pl.kv_blocks[c] if c < len(pl.kv_blocks) else (0, 0)
+    out = []
+    for j in range(pl.n_jobs):
+        r0, r1 = q_lo + j * pl.nq_job, min(q_hi, q_lo + (j + 1) * pl.nq_job)
+        b0, b1 = k_lo + j * pl.nk_job, min(k_hi, k_lo + (j + 1) * pl.nk_job)
+        if r0 < r1 or b0 < b1:
+            out.append((r0, r1, b0, b1))
+    return out
+
+
+def _token_regions(r0: int, r1: int, per: int, w: int) -> list[tuple[int, int, int, int]]:
+    """Rows [r0, r1) of a [tokens*per, w] view as regions (r0, c0, rows, cols) of the token-major
+    [tokens, per*w] tensor: a run of whole tokens is one region, a partial token one each."""
+    out, i = [], r0
+    while i < r1:
+        tok, k = divmod(i, per)
+        if k == 0 and r1 - i >= per:
+            m = (r1 - i) // per
+            out.append((tok, 0, m, per * w))
+            i += m * per
+        else:
+            m = min(r1, (tok + 1) * per) - i
+            out.append((tok, k * w, 1, m * w))
+            i += m
+    return out
+
+
+def _copy_then(core: CoreHandle, ready: tuple[Semaphore, int], *, copies: list[tuple[Tile, Tile]],
+               then: Callable) -> None:
+    """Vector copies (the rope columns of whole query rows into their packed buffer), then ``then``."""
+    for dst, src in copies:
+        core.vpu.copy(dst, src)
+    then(core, ready)
+
+
+def emit_mla_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                    outs: dict[str, Out] | None = None) -> Emitter:
+    """Emit mla-append (see ``_mla_append_plans``): every core's constants in the prefetch part,
+    then every core's jobs."""
+    plans, refs = _mla_append_plans(ctx, shape, t, outs)
+    for p in plans:
+        _prefetch_core(ctx.kb, p)
+    yield refs
+    waited: dict[Any, set] = {}
+    for p in plans:
+        _run_core(ctx.kb, p, waited)
+    return refs
+
+
+def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                      outs: dict[str, Out] | None = None) -> tuple[list[_CorePlan], dict[str, TensorRef]]:
+    """Plan mla-append (``KernelDef.emit``): ``t`` holds q (token-major [batch*tokens,
+    q_heads*(nope+rope)], in HBM or on chip), kv_a ([batch*tokens, kv_lora_rank+rope]: [c_kv |
+    k_pe], HBM or on chip), rope_cos / rope_sin [tokens, rope/2] and kv_cache (HBM, updated in
+    place). ``outs["q_rot"]``: an HBM tensor to store the rotated queries into (on chip or
+    absent: an HBM tensor of the emitter's own).
+
+    Allocates every core's buffers and semaphores (no instruction yet). Returns each core's
+    pipeline and the outputs q_rot and kv_cache, each region ready once the job that writes it
+    has stored it. The prefetch part of the emitter loads each core's RoPE table rows; the rest
+    waits for its rows.
+    """
+    kb, spec = ctx.kb, ctx.spec
+    pl = _mla_plan(shape, spec, ctx.budget)
+    B, C, T, H = shape["batch"], shape["context"], shape["tokens"], shape["q_heads"]
+    N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
+    h, wq, wk, cap = P // 2, N + P, R + P, pl.cap
+    n_jobs, nq_job, nk_job = pl.n_jobs, pl.nq_job, pl.nk_job
+    place = (outs or {}).get("kv_cache")
+    if place is not None and (place.ref is None or place.ref.base != t["kv_cache"].base):
+        raise InvalidArgumentError("mla-append updates kv_cache in place: its output must be the input "
+                                   "tensor")
+    q_ref, kva_ref, cache_ref = t["q"], t["kv_a"], t["kv_cache"]
+    q_out = (outs or {}).get("q_rot")
+    if q_out is None or q_out.ref is None:
+        qrot_ref = TensorRef.hbm("q_rot", kb.hbm("q_rot", (B * T, H * wq), "bf16"))
+    else:
+        qrot_ref = q_out.ref
+    qrot_h = _packed(qrot_ref.base, B * T * H, wq)
+    q_packed = q_ref.in_hbm and not q_ref.waits() and q_ref.base.contiguous
+    q_h = _packed(q_ref.base, B * T * H, wq) if q_packed else None
+    cos_h, sin_h = t["rope_cos"].base, t["rope_sin"].base
+    cache_h = cache_ref.base
+    plans: list[tuple[_CorePlan, list[tuple[tuple[int, int], tuple[int, int]]]]] = []
+    for c in range(pl.cores):
+        win = pl.windows[c]
+        cos, sin = kb.sram(c, "cos", (win.rows, h), "f32"), kb.sram(c, "sin", (win.rows, h), "f32")
+        slots = min(2, n_jobs)
+        rows = max(nq_job, nk_job)
+        sizes = (("q", nq_job, wq), ("qpe", nq_job, P), ("kv", nk_job, wk), ("kpe", nk_job, P))
+        buf = {name: [kb.sram(c, f"{name}{s}", (n, w), "bf16") for s in range(slots)] for name, n, w in sizes}
+        scratch = (kb.sram(c, "x1", (rows, h), "bf16"), kb.sram(c, "x2", (rows, h), "bf16"),
+                   kb.sram(c, "t1", (rows, h), "f32"), kb.sram(c, "t2", (rows, h), "f32"))
+        q_lo, q_hi = pl.q_blocks[c] if c < len(pl.q_blocks) else (0, 0)
+        k_lo, k_hi = pl.kv_blocks[c] if c < len(pl.kv_blocks) else (0, 0)
+        jobs, spans = [], []
+        for j in range(n_jobs):
+            s = j % slots
+            job, parts, copies = _Job(), [], []
+            r0, r1 = q_lo + j * nq_job, min(q_hi, q_lo + (j + 1) * nq_job)
+            if r0 < r1:  # query rows: nope copied through, rope part rotated into the row buffer
+                n, qb, pe = r1 - r0, buf["q"][s], buf["qpe"][s]
+                if q_h is not None:
+                    job.loads += [(qb.sub(0, 0, n, N), q_h.sub(r0, 0, n, N)),
+                                  (pe.sub(0, 0, n, P), q_h.sub(r0, N, n, P))]
+                else:  # whole rows from the producer, the rope part packed on the vector unit
+                    job.loads += _rows_loads(q_ref, qb.sub(0, 0, n, wq), r0, n, H, wq)
+                    copies.append((pe.sub(0, 0, n, P), qb.sub(0, N, n, P)))
+                if T == 1:  # latency-bound: one store of whole rows after the rotation
+                    job.stores.append((qrot_h.sub(r0, 0, n, wq), qb.sub(0, 0, n, wq)))
+                else:  # the nope part (2/3 of the bytes) goes back while the vector unit rotates
+                    job.passthrough.append((qrot_h.sub(r0, 0, n, N), qb.sub(0, 0, n, N)))
+                    job.stores.append((qrot_h.sub(r0, N, n, P), qb.sub(0, N, n, P)))
+                parts.append((qb.sub(0, N, n, P), pe.sub(0, 0, n, P), _rope_segments(r0, r1, H, win)))
+            b0, b1 = k_lo + j * nk_job, min(k_hi, k_lo + (j + 1) * nk_job)
+            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*cap + C-T+t of the cache
+                n, row, pe = b1 - b0, buf["kv"][s], buf["kpe"][s]
+                job.loads += [(row.sub(0, 0, n, R), _From(kva_ref, b0, 0)),
+                              (pe.sub(0, 0, n, P), _From(kva_ref, b0, R))]
+                job.stores += _cache_stores(cache_h, row.sub(0, 0, n, wk), b0, T, C, cap)
+                parts.append((row.sub(0, R, n, P), pe.sub(0, 0, n, P), _rope_segments(b0, b1, 1, win)))
+            if parts:
+                rotate = functools.partial(_rotate_parts, parts=parts, scratch=scratch, cos=cos, sin=sin)
+                job.compute = functools.partial(_copy_then, copies=copies, then=rotate) if copies else rotate
+                jobs.append(job)
+                spans.append(((r0, r1), (b0, b1)))
+        plans.append((_plan_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs), spans))
+    q_rot, cache = qrot_ref, cache_ref
+    for p, spans in plans:
+        for cond, ((r0, r1), (b0, b1)) in zip(p.stored, spans, strict=True):
+            for region in _token_regions(r0, r1, H, wq) if r0 < r1 else ():
+                q_rot = q_rot.with_ready(*region, cond)
+            g = b0
+            while g < b1:  # a sequence's run of new rows: cache rows b*cap + C-T+t ..
+                b, tok = divmod(g, T)
+                n = min(b1, (b + 1) * T) - g
+                cache = cache.with_ready(b * cap + C - T + tok, 0, n, wk, cond)
+                g += n
+    return [p for p, _ in plans], {"q_rot": q_rot, "kv_cache": cache}
+
+
+def mla_append_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, ...]:
+    """mla-append's tensors: q and kv_a (inputs, token-major; the stand-alone program allocates q
+    as [batch*tokens*q_heads, nope+rope]), the RoPE rows of the new positions (weights), the
+    latent cache (inout) and q_rot (output, q's shape)."""
+    cap = _check_mla(shape)
+    B, T, H = shape["batch"], shape["tokens"], shape["q_heads"]
+    N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
+    return (TensorSpec("q", (B * T, H * (N + P)), "bf16", "input"),
+            TensorSpec("kv_a", (B * T, R + P), "bf16", "input"),
+            TensorSpec("rope_cos", (T, P // 2), "f32", "weight"),
+            TensorSpec("rope_sin", (T, P // 2), "f32", "weight"),
+            TensorSpec("kv_cache", (B * cap, R + P), "bf16", "inout"),
+            TensorSpec("q_rot", (B * T, H * (N + P)), "bf16", "output"))
+
+
 def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     """mla-append: rotate the rope part of q and of the new latent rows, write the rows into the cache.
 
@@ -829,82 +1218,32 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     instructions per token of query rows ([q_heads, P/2] blocks with a broadcast table row) and
     six per sequence run of latent rows (the run's table rows, one per row).
     """
-    cap = _check_mla(shape)
+    pl = _mla_plan(shape, spec, Budget.of(spec))  # refuse before building
+    cap = pl.cap
     B, C, T, H = shape["batch"], shape["context"], shape["tokens"], shape["q_heads"]
     N, P, R = shape["nope_dim"], shape["rope_dim"], shape["kv_lora_rank"]
     h, wq, wk = P // 2, N + P, R + P
-    cores = min(spec.core.count, B * T * H)
-    q_blocks, kv_blocks = _split(B * T * H, cores), _split(B * T, cores)
-    q_per, kv_per = q_blocks[0][1] - q_blocks[0][0], kv_blocks[0][1] - kv_blocks[0][0]
-    n_cores = max(len(q_blocks), len(kv_blocks))
-    windows = [_rope_window(q_blocks[c] if c < len(q_blocks) else (0, 0),
-                            kv_blocks[c] if c < len(kv_blocks) else (0, 0), H, T) for c in range(n_cores)]
-    table_rows = max(w.rows for w in windows)
-    budget = int(spec.sram.scratchpad_bytes * _SRAM_SHARE) - 2 * _nbytes(table_rows, h, "f32")
-
-    def fits(n: list[int]) -> bool:  # per slot the row buffers and packed rope parts; shared scratch
-        nq, nk = n
-        rows = max(nq, nk)
-        slot = sum(_nbytes(n, w, "bf16") for n, w in ((nq, wq), (nq, P), (nk, wk), (nk, P)))
-        return 2 * slot + 2 * _nbytes(rows, h, "bf16") + 2 * _nbytes(rows, h, "f32") <= budget
-
-    n_jobs = _jobs_needed([q_per, kv_per], fits,
-                          f"shape keys nope_dim={N}, rope_dim={P}, kv_lora_rank={R}, tokens={T}: one query "
-                          f"row and one cache row, with {table_rows} RoPE table rows, do not fit "
-                          f"{spec.name}'s {spec.sram.scratchpad_bytes:,} B scratchpad")
-    if T > 1 and q_per >= 2 * H:
-        # A prefill chunk moves MBs per core: two jobs at least, so that the second's load
-        # overlaps the first's rotation and stores (at DeepSeek-R1's 2048-token chunk 19.9 -> 18.4
-        # us); a decode step (tokens 1) is latency-bound and keeps the fewest jobs.
-        n_jobs = max(n_jobs, 2)
-    nq_job, nk_job = -(-q_per // n_jobs), -(-kv_per // n_jobs)
-
     kb = KernelBuilder(f"mla_append_b{B}_c{C}_h{H}" + (f"_t{T}" if T > 1 else "")
                        + (f"_cap{cap}" if cap != C else ""), chip=spec)
-    q_h = kb.hbm("q", (B * T * H, wq), "bf16")
-    kva_h = kb.hbm("kv_a", (B * T, wk), "bf16")
-    cos_h, sin_h = kb.hbm("rope_cos", (T, h), "f32"), kb.hbm("rope_sin", (T, h), "f32")
-    cache_h = kb.hbm("kv_cache", (B * cap, wk), "bf16")
-    qrot_h = kb.hbm("q_rot", (B * T * H, wq), "bf16")
-    vector_instructions = 0
-    for c in range(n_cores):
-        win = windows[c]
-        cos, sin = kb.sram(c, "cos", (win.rows, h), "f32"), kb.sram(c, "sin", (win.rows, h), "f32")
-        slots = min(2, n_jobs)
-        rows = max(nq_job, nk_job)
-        sizes = (("q", nq_job, wq), ("qpe", nq_job, P), ("kv", nk_job, wk), ("kpe", nk_job, P))
-        buf = {name: [kb.sram(c, f"{name}{s}", (n, w), "bf16") for s in range(slots)] for name, n, w in sizes}
-        scratch = (kb.sram(c, "x1", (rows, h), "bf16"), kb.sram(c, "x2", (rows, h), "bf16"),
-                   kb.sram(c, "t1", (rows, h), "f32"), kb.sram(c, "t2", (rows, h), "f32"))
-        q_lo, q_hi = q_blocks[c] if c < len(q_blocks) else (0, 0)
-        k_lo, k_hi = kv_blocks[c] if c < len(kv_blocks) else (0, 0)
-        jobs = []
-        for j in range(n_jobs):
-            s = j % slots
-            job, parts = _Job(), []
-            r0, r1 = q_lo + j * nq_job, min(q_hi, q_lo + (j + 1) * nq_job)
-            if r0 < r1:  # query rows: nope copied through, rope part rotated into the row buffer
-                n, qb, pe = r1 - r0, buf["q"][s], buf["qpe"][s]
-                job.loads += [(qb.sub(0, 0, n, N), q_h.sub(r0, 0, n, N)),
-                              (pe.sub(0, 0, n, P), q_h.sub(r0, N, n, P))]
-                if T == 1:  # latency-bound: one store of whole rows after the rotation
-                    job.stores.append((qrot_h.sub(r0, 0, n, wq), qb.sub(0, 0, n, wq)))
-                else:  # the nope part (2/3 of the bytes) goes back while the vector unit rotates
-                    job.passthrough.append((qrot_h.sub(r0, 0, n, N), qb.sub(0, 0, n, N)))
-                    job.stores.append((qrot_h.sub(r0, N, n, P), qb.sub(0, N, n, P)))
-                parts.append((qb.sub(0, N, n, P), pe.sub(0, 0, n, P), _rope_segments(r0, r1, H, win)))
-            b0, b1 = k_lo + j * nk_job, min(k_hi, k_lo + (j + 1) * nk_job)
-            if b0 < b1:  # the new latent rows: c_kv through, k_pe rotated; row b*cap + C-T+t of the cache
-                n, row, pe = b1 - b0, buf["kv"][s], buf["kpe"][s]
-                job.loads += [(row.sub(0, 0, n, R), kva_h.sub(b0, 0, n, R)),
-                              (pe.sub(0, 0, n, P), kva_h.sub(b0, R, n, P))]
-                job.stores += _cache_stores(cache_h, row.sub(0, 0, n, wk), b0, T, C, cap)
-                parts.append((row.sub(0, R, n, P), pe.sub(0, 0, n, P), _rope_segments(b0, b1, 1, win)))
-            if parts:
-                vector_instructions += sum(2 + 6 * len(segs) for _, _, segs in parts)
-                job.compute = functools.partial(_rotate_parts, parts=parts, scratch=scratch, cos=cos, sin=sin)
-                jobs.append(job)
-        _emit_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs)
+    refs = {"q": kb.hbm("q", (B * T * H, wq), "bf16"), "kv_a": kb.hbm("kv_a", (B * T, wk), "bf16"),
+            "rope_cos": kb.hbm("rope_cos", (T, h), "f32"), "rope_sin": kb.hbm("rope_sin", (T, h), "f32"),
+            "kv_cache": kb.hbm("kv_cache", (B * cap, wk), "bf16")}
+    refs = {k: TensorRef.hbm(k, v) for k, v in refs.items()}
+    q_rot = TensorRef.hbm("q_rot", kb.hbm("q_rot", (B * T * H, wq), "bf16"))
+    # Core by core, as the program has always been ordered (the timing pass breaks ties between
+    # cores' transfers in program order; a fused program emits every core's constants first).
+    plans, _ = _mla_append_plans(EmitCtx.standalone(kb), shape, refs, {"q_rot": Out.to(q_rot)})
+    for p in plans:
+        _prefetch_core(kb, p)
+        _run_core(kb, p)
+    vector_instructions = sum(
+        2 * ((r1 > r0) + (b1 > b0)) + 6 * (len(_rope_segments(r0, r1, H, pl.windows[c])) if r1 > r0 else 0)
+        + 6 * (len(_rope_segments(b0, b1, 1, pl.windows[c])) if b1 > b0 else 0)
+        for c in range(pl.cores) for r0, r1, b0, b1 in _mla_job_rows(pl, c))
+    n_jobs, table_rows = pl.n_jobs, max(w.rows for w in pl.windows)
+    q_per = pl.q_blocks[0][1] - pl.q_blocks[0][0]
+    kv_per = pl.kv_blocks[0][1] - pl.kv_blocks[0][0]
+    q_blocks = pl.q_blocks
 
     dims = {"batch": B, "context": C, "tokens": T, "q_heads": H, "nope_dim": N, "rope_dim": P,
             "kv_lora_rank": R, "capacity": cap}
@@ -953,4 +1292,6 @@ MLA_APPEND = register(KernelDef(
         ShapeKey("kv_lora_rank", int, 64, "latent width c_kv (DeepSeek/Kimi: 512)", minimum=1),
     ),
     build=build_mla_append,
+    emit=lambda ctx, shape, t, outs: emit_mla_append(ctx, shape, t, outs),
+    tensors_of=mla_append_tensors,
 ))

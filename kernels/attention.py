@@ -68,6 +68,19 @@ Layouts (HBM, all row-major):
   ``rope_cos`` / ``rope_sin`` [prior+seq, head_dim/2] (rows prior.. rotate q) and their
   transposes ``rope_cos_t`` / ``rope_sin_t`` [head_dim/2, prior+seq] (for K^T).
 
+Prefill as an emitter (``emit_prefill``; decode's is in ``kernels/attention_decode.py``). In a
+fused program q, k and v are column views of the QKV projection's output, token-major ([batch*seq,
+heads*head_dim]: k as the projection writes it, not transposed), in HBM with readiness regions
+or as on-chip pieces: each load waits only for the regions it reads. The first phase transposes
+k on the matrix unit (``I_D @ rows^T``, exact) before the same rotation; the stand-alone launch
+keeps its K^T input and its program (phase 1 first, nothing prefetched). The prefetch part of a
+fused program loads the identity, the sinks and mask, the queries when they are in HBM from the
+start, and the first KV slots' tiles of prior context. ``out`` goes to an HBM tensor (each
+unit's rows ready when stored) or stays on chip (one piece per head and query tile, ready when
+its vector unit has written it); the caches are updated in place and returned with each chunk's
+written region ready when its store has landed. With v on chip, the chunk's V tiles are read
+from ``v_cache`` once the first phase has copied them there.
+
 Small scratchpads (GPU presets: 228 KiB of shared memory per SM; 160 and 64 KiB tried too).
 The tilings above are tried first and kept whenever they fit (so the jalapeno-v1 and tiny
 programs do not change); only when none fits:
@@ -98,6 +111,7 @@ busy beside it); prefill is bound by the vector unit's exp (128 elements per cyc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,16 +120,23 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import KernelBuilder
-from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
 
+from .attention_decode import (
+    TOL,
+    build_decode,
+    check_common,
+    decode_logical_cache,
+    decode_queries,
+    decode_reference,
+    decode_tensors,
+    emit_decode_kernel,
+    k_pad,
+)
 from .attention_engine import (
     _BF16,
-    _DECODE_TILES,
-    _MAX_RING,
     _NBUF,
     _PREFILL_TILES,
-    _SRAM_SHARE,
     _assign,
     _Core,
     _fits,
@@ -130,14 +151,13 @@ from .attention_ref import (
     YARN_GPT_OSS,
     _f32,
     _flash_ref,
-    _flash_ref_jit,
-    _mx_values,
-    _quantize_fp8,
     _rope_ref,
     naive_attention,
     yarn_cos_sin,
 )
-from .base import KernelBuild, KernelDef, ShapeKey, Tolerance
+from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec
+from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
+from .planning import Budget, DoesNotFit
 from .registry import register
 
 __all__ = [
@@ -145,295 +165,15 @@ __all__ = [
     "ATTENTION_PREFILL",
     "MASK_VALUE",
     "YARN_GPT_OSS",
+    "decode_logical_cache",
+    "decode_queries",
     "decode_reference",
+    "emit_prefill",
     "naive_attention",
     "prefill_reference",
+    "prefill_tensors",
     "yarn_cos_sin",
 ]
-
-# --- shape checks shared by both kernels ----------------------------------------------------
-def _check_common(shape: dict[str, Any]) -> None:
-    hq, hkv, d, w = shape["q_heads"], shape["kv_heads"], shape["head_dim"], shape["window"]
-    if hq % hkv:
-        raise InvalidArgumentError(f"shape key q_heads={hq} must be a multiple of kv_heads={hkv} "
-                                   "(grouped-query attention)")
-    if d % 32:
-        raise InvalidArgumentError(f"shape key head_dim={d} must be a multiple of 32: Q.K^T "
-                                   "contracts over head_dim in 32-element matrix-unit blocks")
-    if w < 0:
-        raise InvalidArgumentError(f"shape key window={w} must be >= 0 (0: full attention)")
-
-
-def _k_pad(spec: ChipSpec, kv_dtype: str) -> int:
-    """Elements of padding after each K^T cache row: one HBM interleave granule (see the module doc)."""
-    return spec.hbm.interleave_bytes * 8 // DTYPES[kv_dtype].bits
-
-
-# --- attention-decode ---------------------------------------------------------------------------
-_DECODE_LEAN_SLOTS = (6, 5, 4, 3, 2)  # KV slots of the small-scratchpad path
-
-
-def _decode_tiles(lo: int, cap: int, tk: int, align: int) -> list[tuple[int, int]]:
-    """KV tiles (start, n) covering [lo, cap): from lo rounded down to ``align``, ``tk`` at a time."""
-    start = lo // align * align
-    return [(t0, min(tk, cap - t0)) for t0 in range(start, cap, tk)]
-
-
-def _decode_plan(shape: dict[str, Any], spec: ChipSpec) -> tuple[_Plan, int]:
-    b, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
-    ps, kvd = shape["page_size"], shape["kv_dtype"]
-    _check_common(shape)
-    if ps < 0:
-        raise InvalidArgumentError(f"shape key page_size={ps} must be >= 0 (0: contiguous cache)")
-    if ps:
-        if ps % 32:
-            raise InvalidArgumentError(f"shape key page_size={ps} must be a multiple of 32: "
-                                       "P.V contracts over tokens in 32-token matrix-unit blocks")
-        if ctx % ps:
-            raise InvalidArgumentError(f"shape key page_size={ps} must divide context={ctx}")
-    cap = ctx if ps else -(-ctx // 32) * 32
-    span = cap - (max(0, ctx - shape["window"]) // 32 * 32 if shape["window"] else 0)
-    units = -(-b * hkv // spec.core.count)
-    align = ps or 32
-    wide = -(-span // align) * align  # no point in tiles wider than the keys a unit sees
-    cands = [tk for tk in _DECODE_TILES if tk % align == 0 and tk <= max(wide, align)]
-    # Six KV slots and every unit's query and output kept, the largest tile first; on small
-    # scratchpads (GPU shared memory) a query/output ring of two, the largest tile first, then
-    # the most slots. (Measured on b200 at 64 KiB, gpt-oss tp=8, batch 256, context 2048: 2
-    # slots of 64 keys take 53 us, 4 slots of 32 keys 62 us: each tile's fixed instruction costs
-    # outweigh the extra bytes in flight.)
-    ring = units if 2 < units <= _MAX_RING else 2
-    tries = [(tk, _NBUF, ring) for tk in cands or [align]]
-    tries += [(tk, nbuf, 2) for tk in cands or [align] for nbuf in _DECODE_LEAN_SLOTS]
-    for tk, nbuf, rg in tries:
-        plan = _Plan(hpk=hq // hkv, d=d, tk=tk, nq_max=1, nbuf=nbuf, kv_dtype=kvd,
-                     sinks=shape["sinks"], scale=1 / math.sqrt(d), page_size=ps, ring=rg)
-        consts = 4 * hq + 2 * 4 * tk + 4 * d + (4 * units * (cap // ps) if ps else 0) + 1024
-        if _fits(plan, spec, consts):
-            return plan, cap
-    raise InvalidArgumentError(
-        f"shape key head_dim={d} with q_heads/kv_heads={hq // hkv}"
-        + (f" and page_size={ps}" if ps else "")
-        + f": one {align}-token KV tile does not fit {spec.name}'s {spec.sram.scratchpad_bytes:,} B "
-        f"scratchpad ({_DECODE_LEAN_SLOTS[-1]} slots in flight) or {spec.sram.accumulator_bytes:,} B "
-        "of accumulators")
-
-
-def build_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """attention-decode: one new token per sequence against a KV cache (see the module doc)."""
-    plan, cap = _decode_plan(shape, spec)
-    bsz, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
-    w, ps, kvd, hpk = shape["window"], shape["page_size"], shape["kv_dtype"], plan.hpk
-    fp8 = kvd != "bf16"
-    lo = max(0, ctx - w) if w else 0
-    tiles = _decode_tiles(lo, cap, plan.tk, ps or 32)
-    # Host masks: the tile holding the window's first key, and the tile holding the padding.
-    mask_rows: dict[int, np.ndarray] = {}
-    for t0, n in tiles:
-        cols = np.arange(t0, t0 + n)
-        ok = (cols >= lo) & (cols < ctx)
-        if not ok.all():
-            row = np.zeros(plan.tk, np.float32)
-            row[:n] = np.where(ok, 0, MASK_VALUE)
-            mask_rows[t0] = row
-    mask_order = sorted(mask_rows)
-    pages_per_seq = cap // ps if ps else 0
-    pad_k = _k_pad(spec, kvd)  # K^T row padding, elements
-    pad_s = spec.hbm.interleave_bytes  # of the E8M0 scale rows
-    n_pages = bsz * pages_per_seq
-
-    kb = KernelBuilder(f"attention_decode_b{bsz}_ctx{ctx}", chip=spec)
-    q_h = kb.hbm("q", (bsz * hq, d), "bf16")
-    out_h = kb.hbm("out", (bsz * hq, d), "bf16")
-    cos_h, sin_h = kb.hbm("rope_cos", (ctx, d // 2), "f32"), kb.hbm("rope_sin", (ctx, d // 2), "f32")
-    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
-    mask_h = kb.hbm("mask", (len(mask_order), plan.tk), "f32") if mask_order else None
-    if ps:
-        table_h = kb.hbm("block_table", (bsz, pages_per_seq), "i32")
-        k_h = kb.hbm("k_cache", (n_pages, hkv * d * ps), kvd)
-        v_h = kb.hbm("v_cache", (n_pages, hkv * ps * d), kvd)
-        if fp8:
-            ks_h = kb.hbm("k_cache.scales", (n_pages, hkv * d // 32 * ps), "e8m0")
-            vs_h = kb.hbm("v_cache.scales", (n_pages, hkv * ps // 32 * d), "e8m0")
-    else:
-        # K^T rows are padded by one interleave granule: a row stride that is a multiple of the
-        # channel round would put every row of a K tile on the same few pseudo-channels.
-        k_h = kb.hbm("k_cache", (bsz * hkv * d, cap + pad_k), kvd)
-        v_h = kb.hbm("v_cache", (bsz * hkv * cap, d), kvd)
-        if fp8:
-            ks_h = kb.hbm("k_cache.scales", (bsz * hkv * d // 32, cap + pad_s), "e8m0")
-            vs_h = kb.hbm("v_cache.scales", (bsz * hkv * cap // 32, d), "e8m0")
-
-    units = [_Unit(heads=hpk, nq=1, q=[q_h.sub(bb * hq + g * hpk, 0, hpk, d)],
-                   out=[out_h.sub(bb * hq + g * hpk, 0, hpk, d)], sink_row=g * hpk, key=(bb, g))
-             for bb in range(bsz) for g in range(hkv)]
-    cores = min(spec.core.count, len(units))
-    chunk = -(-len(units) // cores)
-    for c in range(cores):
-        mine = units[c * chunk:(c + 1) * chunk]
-        if not mine:
-            continue
-        consts: list[tuple[Tile, Tile]] = []
-        cos_row = kb.sram(c, "cos_row", (1, d // 2), "f32")
-        sin_row = kb.sram(c, "sin_row", (1, d // 2), "f32")
-        consts += [(cos_row, cos_h.sub(ctx - 1, 0, 1, d // 2)), (sin_row, sin_h.sub(ctx - 1, 0, 1, d // 2))]
-        sinks_s = None
-        if sinks_h is not None:
-            sinks_s = kb.sram(c, "sinks", (hq, 1), "f32")
-            consts.append((sinks_s, sinks_h))
-        masks_s = None
-        if mask_h is not None:
-            masks_s = kb.sram(c, "masks", (len(mask_order), plan.tk), "f32")
-            consts.append((masks_s, mask_h))
-        seqs = sorted({u.key[0] for u in mine})
-        if ps:
-            tbl = kb.sram(c, "table", (len(seqs) * pages_per_seq, 1), "i32")
-            for i, sq in enumerate(seqs):
-                consts.append((tbl.sub(i * pages_per_seq, 0, pages_per_seq, 1),
-                               _view(table_h.sub(sq, 0, 1, pages_per_seq), pages_per_seq, 1)))
-        for unit in mine:
-            bb, g = unit.key
-            for t0, n in tiles:
-                st = _Step(n=n)
-                if t0 in mask_rows:
-                    st.mask = masks_s.sub(mask_order.index(t0), 0, 1, n)
-                if ps:
-                    st.idx = tbl.sub(seqs.index(bb) * pages_per_seq + t0 // ps, 0, n // ps, 1)
-                    st.k = k_h.sub(0, g * d * ps, n_pages, d * ps)
-                    st.v = v_h.sub(0, g * ps * d, n_pages, ps * d)
-                    if fp8:
-                        st.k_scale = ks_h.sub(0, g * d // 32 * ps, n_pages, d // 32 * ps)
-                        st.v_scale = vs_h.sub(0, g * ps // 32 * d, n_pages, ps // 32 * d)
-                else:
-                    row = bb * hkv + g
-                    st.k = k_h.sub(row * d, t0, d, n)
-                    st.v = v_h.sub(row * cap + t0, 0, n, d)
-                    if fp8:
-                        st.k_scale = ks_h.sub(row * d // 32, t0, d // 32, n)
-                        st.v_scale = vs_h.sub((row * cap + t0) // 32, 0, n // 32, d)
-                unit.steps.append(st)
-        em = _Core(kb, c, plan, mine)
-        em.emit_queries(consts)
-        gate = (em.sem["consts"], 1) if ps else None  # the gathers read the block table
-        em.emit_loads(gate, gate)
-        em.emit_mxu()
-        em.emit_vpu(sinks_s, cos_row, sin_row)
-        em.emit_stores()
-
-    def make_inputs(seed: int) -> dict[str, Any]:
-        rng = np.random.default_rng(seed)
-        cos, sin = yarn_cos_sin(ctx, d)
-        kt = rng.standard_normal((bsz, hkv, d, cap)).astype(np.float32)
-        vv = rng.standard_normal((bsz, hkv, cap, d)).astype(np.float32)
-        ins: dict[str, Any] = {
-            "q": rng.standard_normal((bsz * hq, d)).astype(_BF16), "rope_cos": cos, "rope_sin": sin}
-        if plan.sinks:
-            ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
-        if mask_order:
-            ins["mask"] = np.stack([mask_rows[t] for t in mask_order])
-        if fp8:
-            kc, kscale = _quantize_fp8(kt.reshape(bsz * hkv * d, cap))
-            vc, vscale = _quantize_fp8(vv.reshape(bsz * hkv * cap, d))
-            kc, kscale = kc.reshape(bsz, hkv, d, cap), kscale.reshape(bsz, hkv, d // 32, cap)
-            vc, vscale = vc.reshape(bsz, hkv, cap, d), vscale.reshape(bsz, hkv, cap // 32, d)
-        else:
-            kc, vc = kt.astype(_BF16), vv.astype(_BF16)
-        if not ps:
-            ins["k_cache"] = np.pad(kc.reshape(-1, cap), ((0, 0), (0, pad_k)))
-            ins["v_cache"] = vc.reshape(-1, d)
-            if fp8:
-                ins["k_cache.scales"] = np.pad(kscale.reshape(-1, cap), ((0, 0), (0, pad_s)))
-                ins["v_cache.scales"] = vscale.reshape(-1, d)
-            return ins
-        table = rng.permutation(n_pages).reshape(bsz, pages_per_seq).astype(np.int32)
-        ins["block_table"] = table
-
-        def pool(x, tok_axis, per_page):
-            # x: [B, G, a, b] logical; page j of sequence b goes to physical page table[b, j].
-            pages = np.split(x, x.shape[tok_axis] // per_page, axis=tok_axis)
-            out = np.empty((n_pages, *pages[0].shape[1:]), x.dtype)
-            for jj, pg in enumerate(pages):
-                out[table[:, jj]] = pg
-            return out.reshape(n_pages, -1)
-
-        ins["k_cache"], ins["v_cache"] = pool(kc, 3, ps), pool(vc, 2, ps)
-        if fp8:
-            ins["k_cache.scales"] = pool(kscale, 3, ps)
-            ins["v_cache.scales"] = pool(vscale, 2, ps // 32)
-        return ins
-
-    def reference(inputs):
-        return {"out": np.asarray(decode_reference(inputs, shape, tiles))}
-
-    notes = {"tile_keys": plan.tk, "kv_tiles_per_unit": len(tiles), "units": len(units),
-             "cores": cores, "kv_slots": plan.nbuf, "masked_tiles": len(mask_order)}
-    return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
-                       outputs={"out": ("bf16", (bsz * hq, d))}, tolerance=_TOL, notes=notes)
-
-
-def decode_logical_cache(inputs, shape) -> tuple[np.ndarray, np.ndarray]:
-    """The cache as the model sees it: (K^T float32[B, G, D, cap], V float32[B, G, cap, D]),
-    read from the HBM inputs (pools through the block table, FP8 dequantised)."""
-    bsz, ctx, hkv, d, ps = (shape[k] for k in ("batch", "context", "kv_heads", "head_dim", "page_size"))
-    fp8 = shape["kv_dtype"] != "bf16"
-    k, v = (np.asarray(inputs[n]) if fp8 else np.asarray(inputs[n], np.float32)
-            for n in ("k_cache", "v_cache"))
-    ks, vs = (np.asarray(inputs[f"{n}.scales"]) if fp8 else None for n in ("k_cache", "v_cache"))
-    if not ps:
-        cap = -(-ctx // 32) * 32
-        k = k[:, :cap]  # drop the row padding
-        if fp8:
-            k, v = _mx_values(k, ks[:, :cap]), _mx_values(v, vs)
-        return k.reshape(bsz, hkv, d, cap), v.reshape(bsz, hkv, cap, d)
-    table = np.asarray(inputs["block_table"])
-    npg = ctx // ps
-    kt = np.concatenate([k[table[:, j]].reshape(bsz, hkv, d, ps) for j in range(npg)], axis=3)
-    vv = np.concatenate([v[table[:, j]].reshape(bsz, hkv, ps, d) for j in range(npg)], axis=2)
-    if fp8:
-        kts = np.concatenate([ks[table[:, j]].reshape(bsz, hkv, d // 32, ps) for j in range(npg)], axis=3)
-        vvs = np.concatenate([vs[table[:, j]].reshape(bsz, hkv, ps // 32, d) for j in range(npg)], axis=2)
-        kt = _mx_values(kt.reshape(-1, ctx), kts.reshape(-1, ctx)).reshape(bsz, hkv, d, ctx)
-        vv = _mx_values(vv.reshape(-1, d), vvs.reshape(-1, d)).reshape(bsz, hkv, ctx, d)
-    return kt.astype(np.float32), vv.astype(np.float32)
-
-
-def decode_queries(inputs, shape) -> np.ndarray:
-    """float32[B, Hq, D]: the queries rotated at position context-1 and scaled, BF16 values."""
-    bsz, ctx, hq, d = (shape[k] for k in ("batch", "context", "q_heads", "head_dim"))
-    q = _f32(np.asarray(inputs["q"], np.float32)).reshape(bsz, hq, d)
-    cos = _f32(inputs["rope_cos"])[ctx - 1]
-    sin = _f32(inputs["rope_sin"])[ctx - 1]
-    return np.asarray(_rope_ref(q, cos, sin, 1 / math.sqrt(d)))
-
-
-def decode_reference(inputs, shape, tiles) -> np.ndarray:
-    """Pure-JAX decode attention with the kernel's roundings: BF16 values, float32[B*Hq, D].
-
-    Masking comes from positions (keys in [context - window, context) are visible), not from
-    the kernel's mask tiles; ``tiles`` [(start, n)] is the KV tiling the online softmax walks.
-    """
-    bsz, ctx, hq, hkv, d = (shape[k] for k in ("batch", "context", "q_heads", "kv_heads", "head_dim"))
-    w, hpk = shape["window"], hq // hkv
-    kt, vv = decode_logical_cache(inputs, shape)
-    qr = decode_queries(inputs, shape)
-    keys = np.arange(kt.shape[-1])
-    valid = (keys < ctx) & (keys >= (ctx - w if w else 0))
-    valid = np.broadcast_to(valid, (hpk, len(keys)))
-    sinks = None
-    if shape["sinks"]:
-        sinks = _f32(np.broadcast_to(np.asarray(inputs["sinks"], np.float32).reshape(1, hkv, hpk),
-                                     (bsz, hkv, hpk)))
-    out = _flash_ref_jit(_f32(qr.reshape(bsz, hkv, hpk, d)), _f32(kt), _f32(vv), valid, tuple(tiles), sinks)
-    out = np.asarray(out)
-    return out.reshape(bsz * hq, d)
-
-
-_TOL = Tolerance(
-    atol=2e-3, rtol=2.0**-7,
-    why="the matrix unit sums each 32-element block in order and XLA's dot does not, and the "
-        "vector unit's row sums run in column order: scores and sums differ in the last FP32 "
-        "bits, which can flip a BF16 rounding of P or of the output (one BF16 ulp, 2^-8 relative)")
-
 
 _COMMON_KEYS = (
     ShapeKey("q_heads", int, 4, "query heads (gpt-oss-120b: 64)", minimum=1),
@@ -456,8 +196,12 @@ ATTENTION_DECODE = register(KernelDef(
         *_COMMON_KEYS,
         ShapeKey("page_size", int, 0, "tokens per KV page, a multiple of 32 dividing context; "
                  "0 = contiguous cache"),
+        ShapeKey("kv_splits", int, 0, "KV splits per (sequence, KV head) over idle cores (flash-decoding); "
+                 "0 = chosen by the cost model, 1 = none", minimum=0),
     ),
     build=build_decode,
+    emit=emit_decode_kernel,
+    tensors_of=decode_tensors,
 ))
 
 
@@ -546,7 +290,7 @@ def _lean_candidates(hpk: int, seq: int) -> list[tuple[int, int]]:
     return sorted(((h, t) for h in heads for t in ts), key=lambda ht: (-ht[0] * ht[1] ** 2, -ht[0]))
 
 
-def _prefill_layout(shape: dict[str, Any], spec: ChipSpec, cap: int, hs: int, t: int, nbuf: int,
+def _prefill_layout(shape: dict[str, Any], budget: Budget, cap: int, hs: int, t: int, nbuf: int,
                     lean: bool) -> _PrefillLayout | None:
     """The layout with ``hs`` query heads and ``t`` tokens per unit, ``nbuf`` KV slots; None
     when it does not fit the scratchpad or the accumulators."""
@@ -555,26 +299,27 @@ def _prefill_layout(shape: dict[str, Any], spec: ChipSpec, cap: int, hs: int, t:
     # The lean path writes the cache in 32-token chunks: its buffers do not grow with t.
     p1 = 32 if lean else t
     chunks = bsz * hkv * -(-seq // p1)
-    chunks_per_core = -(-chunks // min(spec.core.count, chunks))
+    chunks_per_core = -(-chunks // min(budget.cores, chunks))
     plan = _Plan(hpk=hs, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16", sinks=shape["sinks"],
                  scale=1 / math.sqrt(d), page_size=0, ring=1 if lean else 2, lean=lean)
     extra = _prefill_extra_bytes(hq, d, t, p1, len(patterns))
-    if not _fits(plan, spec, extra):
+    if not _fits(plan, budget, extra):
         return None
     # Spare scratchpad stages more of a core's V chunks at once: a slot is free again only when
     # its store has landed, a load-store round trip per reuse.
-    spare = _sram_left(plan, spec, extra) // (2 * d * p1)
+    spare = _sram_left(plan, budget, extra) // (2 * d * p1)
     return _PrefillLayout(plan, cap, tiles, patterns, max(1, min(chunks_per_core, 2 + spare)), p1)
 
 
-def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _PrefillLayout:
-    """The largest query/key tile that fits, and what goes with it; refuses impossible shapes.
+def _prefill_plan(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None) -> _PrefillLayout:
+    """The largest query/key tile that fits ``budget`` (default: the stand-alone one), and what
+    goes with it; refuses impossible shapes.
 
     First every head of a KV group per unit (one KV tile load serves them all), the largest
     tile first; when not even 32 tokens of them fit (GPU shared memory), the lean path: fewer
     heads per unit (the group's KV tiles are read once per slice of heads) and leaner buffers.
     """
-    _check_common(shape)
+    check_common(shape)
     seq, hq, hkv, d = (shape[k] for k in ("seq", "q_heads", "kv_heads", "head_dim"))
     if shape["kv_dtype"] != "bf16":
         raise InvalidArgumentError(
@@ -583,30 +328,29 @@ def _prefill_plan(shape: dict[str, Any], spec: ChipSpec) -> _PrefillLayout:
     if seq % 32:
         raise InvalidArgumentError(f"shape key seq={seq} must be a multiple of 32: P.V contracts "
                                    "over keys in 32-token matrix-unit blocks (pad the prompt)")
+    budget = budget or Budget.of(spec)
     cap, hpk = _prefill_cap(shape), hq // hkv
     for t in _PREFILL_TILES:
         if t > max(32, seq):
             continue
         for nbuf in (_NBUF, 2):  # prefill is vector-bound: two KV slots in flight are enough
-            lay = _prefill_layout(shape, spec, cap, hpk, t, nbuf, lean=False)
+            lay = _prefill_layout(shape, budget, cap, hpk, t, nbuf, lean=False)
             if lay is not None:
                 return lay
     for hs, t in _lean_candidates(hpk, seq):
         for nbuf in _PREFILL_LEAN_SLOTS:
-            lay = _prefill_layout(shape, spec, cap, hs, t, nbuf, lean=True)
+            lay = _prefill_layout(shape, budget, cap, hs, t, nbuf, lean=True)
             if lay is not None:
                 return lay
     smallest = _Plan(hpk=1, d=d, tk=32, nq_max=32, nbuf=2, kv_dtype="bf16", sinks=shape["sinks"],
                      scale=1.0, page_size=0, ring=1, lean=True)
     n_patterns = len(_prefill_tiles(seq, shape["prior"], 32, shape["window"])[1])
-    need = int(_SRAM_SHARE * spec.sram.scratchpad_bytes) - _sram_left(
-        smallest, spec, _prefill_extra_bytes(hq, d, 32, 32, n_patterns))
-    raise InvalidArgumentError(
+    need = budget.sram_bytes - _sram_left(smallest, budget, _prefill_extra_bytes(hq, d, 32, 32, n_patterns))
+    raise DoesNotFit(
         f"shape key head_dim={d} (q_heads/kv_heads={hpk}, window={shape['window']}): one 32-token "
         f"query tile of a single head needs {need:,} B of scratchpad per core and "
         f"{smallest.acc_bytes():,} B of accumulators; {spec.name} has {spec.sram.scratchpad_bytes:,} B "
-        f"({int(_SRAM_SHARE * spec.sram.scratchpad_bytes):,} B usable) and "
-        f"{spec.sram.accumulator_bytes:,} B")
+        f"({budget.sram_bytes:,} B usable) and {budget.acc_bytes:,} B")
 
 
 def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
@@ -619,132 +363,305 @@ def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
     return ok
 
 
-def _emit_cache_writes(kb: KernelBuilder, spec: ChipSpec, shape: dict[str, Any], lay: _PrefillLayout,
-                       hbm: dict[str, Tile]) -> tuple[Any, int]:
-    """Phase 1: rotate the chunk's K^T into k_cache columns prior.. and copy its V rows into
-    v_cache rows prior.., in (sequence, KV head, t-token) chunks spread over the cores.
+# --- phase 1: the chunk's K and V into the cache ------------------------------------------------
+class _CacheWriter:
+    """Phase 1: rotate the chunk's keys into ``k_cache`` columns prior.. (K^T) and copy its V rows
+    into ``v_cache`` rows prior.., in (sequence, KV head, ``p1_tokens``-token) chunks dealt round
+    robin over the cores.
 
-    Per core: queue 0 loads K^T and the transposed cos/sin (two slots), queue 1 loads V
-    (``lay.v_slots`` slots), the vector unit rotates, queue 3 stores both. Returns (semaphore,
-    value): signalled once per core after its last store, so (sem, cores) means the whole chunk
-    is in the cache.
+    Per core: queue 0 loads the keys and the transposed cos/sin (two slots), queue 1 loads V
+    (``lay.v_slots`` slots), the vector unit rotates, queue 3 stores both. The keys arrive either
+    as the stand-alone K^T input [batch*kv_heads*head_dim, seq] (loaded straight into the
+    rotation's [head_dim, n] slot) or token-major [batch*seq, kv_heads*head_dim], as the QKV
+    projection writes them (HBM with readiness regions, or on-chip pieces): then a chunk's
+    [n, head_dim] rows land in the same slot and the matrix unit transposes them, ``I_D @
+    rows^T`` (``mxu.matmul_t`` with an identity), into accumulators that the vector unit reads
+    back to BF16 over the rows (which the matrix unit is done with) before the same rotation.
+    The transpose is exact for finite values (each sum is one BF16 value plus zeros; a -0 comes
+    out +0), so the cache bytes are the stand-alone launch's. Its accumulators are the engine's
+    P.V accumulators of the core (written by the engine only after every phase-1 read, the
+    vector unit running phase 1 first), or two of their own on a core without attention units;
+    the [head_dim, head_dim] BF16 identity is scratchpad beyond the plan (8 KiB at head_dim 64,
+    within the share the budget leaves for constants).
+
+    The constructor allocates (in the stand-alone program's order), ``emit`` emits. Semaphores
+    per core (``sem``): loaded, vloaded, roped, stored (after each K store), vstored (after each
+    V store); ``written`` counts the cores whose K stores have all landed.
     """
-    t, cap, nv = lay.p1_tokens, lay.cap, lay.v_slots
-    bsz, seq, prior, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "kv_heads", "head_dim"))
-    h2 = d // 2
-    chunks = [(row, c0, min(t, seq - c0)) for row in range(bsz * hkv) for c0 in range(0, seq, t)]
-    p1_cores = min(spec.core.count, len(chunks))
-    written = kb.semaphore("cache_written")
-    for c in range(p1_cores):
-        core = kb.core(c)
-        mine = chunks[c::p1_cores]
-        kin = [kb.sram(c, f"p1k{s}", (d, t), "bf16") for s in range(2)]
-        kout = [kb.sram(c, f"p1o{s}", (d, t), "bf16") for s in range(2)]
-        vin = [kb.sram(c, f"p1v{s}", (t, d), "bf16") for s in range(min(nv, len(mine)))]
-        cs = [kb.sram(c, f"p1c{s}", (h2, t), "f32") for s in range(2)]
-        sn = [kb.sram(c, f"p1s{s}", (h2, t), "f32") for s in range(2)]
-        tmp = [kb.sram(c, f"p1t{s}", (h2, t), "f32") for s in range(2)]
-        loaded, vloaded, roped, stored, vstored = (
-            kb.semaphore(f"c{c}.p1{n}") for n in ("loaded", "vloaded", "roped", "stored", "vstored"))
-        ld, vld, vpu, st = core.dma[0], core.dma[1], core.vpu, core.dma[3]
-        for i, (row, c0, n) in enumerate(mine):
-            s, bb, g = i % 2, row // hkv, row % hkv
-            if i >= 2:
-                ld.wait(roped, i - 1)
-            if i >= nv:
-                vld.wait(vstored, i - nv + 1)
-            ld.load(kin[s].sub(0, 0, d, n), hbm["k"].sub(row * d, c0, d, n))
-            ld.load(cs[s].sub(0, 0, h2, n), hbm["rope_cos_t"].sub(0, prior + c0, h2, n))
-            ld.load(sn[s].sub(0, 0, h2, n), hbm["rope_sin_t"].sub(0, prior + c0, h2, n))
-            ld.signal(loaded)
-            vld.load(vin[i % nv].sub(0, 0, n, d), hbm["v"].sub(bb * seq + c0, g * d, n, d))
-            vld.signal(vloaded)
-            vpu.wait(loaded, i + 1)
-            if i >= 2:
-                vpu.wait(stored, i - 1)
-            x1, x2 = kin[s].sub(0, 0, h2, n), kin[s].sub(h2, 0, h2, n)
-            c_, s_ = cs[s].sub(0, 0, h2, n), sn[s].sub(0, 0, h2, n)
-            t1, t2 = tmp[0].sub(0, 0, h2, n), tmp[1].sub(0, 0, h2, n)
-            vpu.mul(t1, x1, c_)
-            vpu.mul(t2, x2, s_)
-            vpu.sub(kout[s].sub(0, 0, h2, n), t1, t2)
-            vpu.mul(t1, x2, c_)
-            vpu.mul(t2, x1, s_)
-            vpu.add(kout[s].sub(h2, 0, h2, n), t1, t2)
-            vpu.signal(roped)
-            st.wait(roped, i + 1)
-            st.store(hbm["k_cache"].sub(row * d, prior + c0, d, n), kout[s].sub(0, 0, d, n))
-            st.signal(stored)
-        st.signal(written)
-        # V stores after every K store: attention waits for K only (it reads the chunk's V
-        # from v), so a V slot's load-store round trips stay off its path.
-        for i, (row, c0, n) in enumerate(mine):
-            st.wait(vloaded, i + 1)
-            st.store(hbm["v_cache"].sub(row * cap + prior + c0, 0, n, d), vin[i % nv].sub(0, 0, n, d))
-            st.signal(vstored)
-    return written, p1_cores
+
+    def __init__(self, ctx: EmitCtx, shape: dict[str, Any], lay: _PrefillLayout, *, token_major: bool,
+                 engine_cores: set[int]) -> None:
+        kb = ctx.kb
+        self.kb, self.shape, self.lay, self.token_major = kb, shape, lay, token_major
+        t, nv, d = lay.p1_tokens, lay.v_slots, shape["head_dim"]
+        bsz, seq, hkv = shape["batch"], shape["seq"], shape["kv_heads"]
+        h2 = d // 2
+        chunks = [(row, c0, min(t, seq - c0)) for row in range(bsz * hkv) for c0 in range(0, seq, t)]
+        self.cores = min(ctx.budget.cores, len(chunks))
+        self.written = kb.semaphore("cache_written")
+        self.per: list[tuple[int, list[tuple[int, int, int]], dict[str, Any], dict[str, Any]]] = []
+        for c in range(self.cores):
+            mine = chunks[c::self.cores]
+            b: dict[str, Any] = {
+                "kin": [kb.sram(c, f"p1k{s}", (d, t), "bf16") for s in range(2)],
+                "kout": [kb.sram(c, f"p1o{s}", (d, t), "bf16") for s in range(2)],
+                "vin": [kb.sram(c, f"p1v{s}", (t, d), "bf16") for s in range(min(nv, len(mine)))],
+                "cs": [kb.sram(c, f"p1c{s}", (h2, t), "f32") for s in range(2)],
+                "sn": [kb.sram(c, f"p1s{s}", (h2, t), "f32") for s in range(2)],
+                "tmp": [kb.sram(c, f"p1t{s}", (h2, t), "f32") for s in range(2)],
+            }
+            sem = {n: kb.semaphore(f"c{c}.p1{n}")
+                   for n in ("loaded", "vloaded", "roped", "stored", "vstored")}
+            if token_major:
+                b["eye"] = kb.sram(c, "p1eye", (d, d), "bf16")
+                if c not in engine_cores:
+                    b["acc"] = [kb.acc(c, f"p1acc{s}", (d, t)) for s in range(2)]
+                sem["eye"], sem["tr"] = kb.semaphore(f"c{c}.p1eye"), kb.semaphore(f"c{c}.p1tr")
+            self.per.append((c, mine, b, sem))
+        self.eye = ctx.const("eye", np.eye(d, dtype=_BF16), "bf16") if token_major else None
+        self._eye_loaded = False
+
+    @property
+    def gate(self) -> tuple[Any, int]:
+        """(semaphore, value): every core's K stores have landed (the chunk's K^T is in the cache)."""
+        return self.written, self.cores
+
+    def written_refs(self, k_cache: TensorRef, v_cache: TensorRef) -> tuple[TensorRef, TensorRef]:
+        """The caches with each chunk's region ready when its store has landed."""
+        d, prior, cap = self.shape["head_dim"], self.shape["prior"], self.lay.cap
+        for _, mine, _, sem in self.per:
+            for i, (row, c0, n) in enumerate(mine):
+                k_cache = k_cache.with_ready(row * d, prior + c0, d, n, (sem["stored"].id, i + 1))
+                v_cache = v_cache.with_ready(row * cap + prior + c0, 0, n, d, (sem["vstored"].id, i + 1))
+        return k_cache, v_cache
+
+    def emit_eye(self) -> None:
+        """Queue 0 of each core: the identity the transposes multiply by (a constant, so it may
+        go in a prefetch part)."""
+        if self.token_major and not self._eye_loaded:
+            for c, _, b, sem in self.per:
+                q = self.kb.core(c).dma[0]
+                q.load(b["eye"], self.eye)
+                q.signal(sem["eye"])
+            self._eye_loaded = True
+
+    def emit(self, t: dict[str, TensorRef], accs: dict[int, list[Tile]]) -> None:
+        """Phase 1's instructions. ``t``: the kernel's refs (k, v, rope_cos_t, rope_sin_t, k_cache,
+        v_cache); ``accs``: per core with attention units, the engine's two P.V accumulators."""
+        self.emit_eye()
+        kb, lay, tm = self.kb, self.lay, self.token_major
+        nv, cap = lay.v_slots, lay.cap
+        seq, prior, hkv, d = (self.shape[k] for k in ("seq", "prior", "kv_heads", "head_dim"))
+        h2 = d // 2
+        k, v = t["k"], t["v"]
+        kc_h, vc_h = t["k_cache"].base, t["v_cache"].base
+        for c, mine, b, sem in self.per:
+            core = kb.core(c)
+            ld, vld, vpu, st, mxu = core.dma[0], core.dma[1], core.vpu, core.dma[3], core.mxu
+            kin, kout, vin, cs, sn, tmp = (b[n] for n in ("kin", "kout", "vin", "cs", "sn", "tmp"))
+            acc = b.get("acc") or accs.get(c)
+            waited: dict[Any, set[Ready]] = {}
+            for i, (row, c0, n) in enumerate(mine):
+                s, bb, g = i % 2, row // hkv, row % hkv
+                if i >= 2:  # slot s free: chunk i-2 rotated
+                    ld.wait(sem["roped"], i - 1)
+                # Token-major rows [n, D] land in the same slot; the vector unit overwrites them
+                # with their transpose once the matrix unit has read them.
+                dst = _view(kin[s], n, d) if tm else kin[s].sub(0, 0, d, n)
+                fetch(ld, dst, k, *((bb * seq + c0, g * d) if tm else (row * d, c0)), waited=waited)
+                ld.load(cs[s].sub(0, 0, h2, n), t["rope_cos_t"].hbm_view(0, prior + c0, h2, n))
+                ld.load(sn[s].sub(0, 0, h2, n), t["rope_sin_t"].hbm_view(0, prior + c0, h2, n))
+                ld.signal(sem["loaded"])
+                if i >= nv:
+                    vld.wait(sem["vstored"], i - nv + 1)
+                fetch(vld, vin[i % nv].sub(0, 0, n, d), v, bb * seq + c0, g * d, waited=waited)
+                vld.signal(sem["vloaded"])
+                if tm:  # K^T = I_D @ rows^T into accumulator slot s (free once chunk i-2 is rotated)
+                    if i == 0:
+                        mxu.wait(sem["eye"], 1)
+                    mxu.wait(sem["loaded"], i + 1)
+                    if i >= 2:
+                        mxu.wait(sem["roped"], i - 1)
+                    mxu.matmul_t(_view(acc[s], d, n), b["eye"], _view(kin[s], n, d), mode="overwrite")
+                    mxu.signal(sem["tr"])
+                vpu.wait(sem["loaded"], i + 1)
+                if i >= 2:
+                    vpu.wait(sem["stored"], i - 1)
+                if tm:
+                    vpu.wait(sem["tr"], i + 1)
+                    vpu.acc_read(kin[s].sub(0, 0, d, n), _view(acc[s], d, n))  # exact: BF16 values
+                x1, x2 = kin[s].sub(0, 0, h2, n), kin[s].sub(h2, 0, h2, n)
+                c_, s_ = cs[s].sub(0, 0, h2, n), sn[s].sub(0, 0, h2, n)
+                t1, t2 = tmp[0].sub(0, 0, h2, n), tmp[1].sub(0, 0, h2, n)
+                vpu.mul(t1, x1, c_)
+                vpu.mul(t2, x2, s_)
+                vpu.sub(kout[s].sub(0, 0, h2, n), t1, t2)
+                vpu.mul(t1, x2, c_)
+                vpu.mul(t2, x1, s_)
+                vpu.add(kout[s].sub(h2, 0, h2, n), t1, t2)
+                vpu.signal(sem["roped"])
+                st.wait(sem["roped"], i + 1)
+                st.store(kc_h.sub(row * d, prior + c0, d, n), kout[s].sub(0, 0, d, n))
+                st.signal(sem["stored"])
+            st.signal(self.written)
+            # V stores after every K store: attention waits for K only (it reads the chunk's V
+            # from v), so a V slot's load-store round trips stay off its path.
+            for i, (row, c0, n) in enumerate(mine):
+                st.wait(sem["vloaded"], i + 1)
+                st.store(vc_h.sub(row * cap + prior + c0, 0, n, d), vin[i % nv].sub(0, 0, n, d))
+                st.signal(sem["vstored"])
 
 
-def _v_parts(hbm: dict[str, Tile], shape: dict[str, Any], cap: int, bb: int, g: int, k0: int,
-             nk: int) -> tuple[Tile, ...]:
-    """HBM row blocks of the V tile of keys k0..k0+nk of sequence bb, KV head g: the chunk's own
-    keys from ``v`` (so that no V load waits for phase 1's copy into the cache), the others
-    (prior context, padding past prior+seq) from ``v_cache``."""
+def _v_parts(v: TensorRef, v_cache: TensorRef, shape: dict[str, Any], cap: int, bb: int, g: int, k0: int,
+             nk: int) -> tuple[tuple[Tile, ...], tuple[Ready, ...]]:
+    """HBM row blocks of the V tile of keys k0..k0+nk of sequence bb, KV head g, and the ready
+    conditions they overlap: the chunk's own keys from ``v`` (so that no V load waits for phase
+    1's copy into the cache), the others (prior context, padding past prior+seq) from
+    ``v_cache``; with ``v`` on chip the chunk's keys too, once phase 1 has stored them there
+    (``v_cache`` then carries those readiness regions)."""
     seq, prior, hkv, d = shape["seq"], shape["prior"], shape["kv_heads"], shape["head_dim"]
     row = bb * hkv + g
-    parts = []
+    parts: list[Tile] = []
+    waits: list[Ready] = []
     for lo, hi, in_chunk in ((k0, min(k0 + nk, prior), False),
                              (max(k0, prior), min(k0 + nk, prior + seq), True),
                              (max(k0, prior + seq), k0 + nk, False)):
-        if lo < hi:
-            parts.append(hbm["v"].sub(bb * seq + lo - prior, g * d, hi - lo, d) if in_chunk
-                         else hbm["v_cache"].sub(row * cap + lo, 0, hi - lo, d))
-    return tuple(parts)
+        if lo >= hi:
+            continue
+        if in_chunk and v.in_hbm:
+            src, r0, c0 = v, bb * seq + lo - prior, g * d
+        else:
+            src, r0, c0 = v_cache, row * cap + lo, 0
+        parts.append(src.hbm_view(r0, c0, hi - lo, d))
+        waits += src.waits(r0, c0, hi - lo, d)
+    return tuple(parts), tuple(dict.fromkeys(waits))
 
 
-def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
-    """attention-prefill: causal attention of ``seq`` new tokens over ``prior`` cached ones and
-    themselves; writes the chunk's K and V into the decode cache (see the module doc)."""
-    lay = _prefill_plan(shape, spec)
-    plan, cap, unit_tiles, patterns = lay.plan, lay.cap, lay.tiles, lay.patterns
+# --- tensors ------------------------------------------------------------------------------------
+def prefill_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, ...]:
+    """attention-prefill's tensors: q [batch*seq, q_heads*head_dim], k and v [batch*seq,
+    kv_heads*head_dim] token-major (k as the QKV projection writes it, not transposed) and out
+    [batch*seq, q_heads*head_dim]; the caches (decode's layout, ``capacity`` tokens) updated in
+    place; RoPE tables [prior+seq, head_dim/2] and their transposes, sinks [q_heads, 1] as weights
+    (the mask is a constant of the emitter)."""
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
-    hpk, hs, t, h2, pad_k = hq // hkv, plan.hpk, plan.tk, d // 2, _k_pad(spec, "bf16")
-    n_tiles, ctx = -(-seq // t), prior + seq
-    deltas = sorted(patterns)
+    cap, ctx, h2 = _prefill_cap(shape), prior + seq, d // 2
+    specs = [TensorSpec("q", (bsz * seq, hq * d), "bf16", "input"),
+             TensorSpec("k", (bsz * seq, hkv * d), "bf16", "input"),
+             TensorSpec("v", (bsz * seq, hkv * d), "bf16", "input"),
+             TensorSpec("out", (bsz * seq, hq * d), "bf16", "output"),
+             TensorSpec("k_cache", (bsz * hkv * d, cap + k_pad(spec, "bf16")), "bf16", "inout"),
+             TensorSpec("v_cache", (bsz * hkv * cap, d), "bf16", "inout"),
+             TensorSpec("rope_cos", (ctx, h2), "f32", "weight"),
+             TensorSpec("rope_sin", (ctx, h2), "f32", "weight"),
+             TensorSpec("rope_cos_t", (h2, ctx), "f32", "weight"),
+             TensorSpec("rope_sin_t", (h2, ctx), "f32", "weight")]
+    if shape["sinks"]:
+        specs.append(TensorSpec("sinks", (hq, 1), "f32", "weight"))
+    return tuple(specs)
 
-    kb = KernelBuilder(f"attention_prefill_b{bsz}_seq{seq}_prior{prior}", chip=spec)
-    hbm = {
-        "q": kb.hbm("q", (bsz * seq, hq * d), "bf16"),
-        "k": kb.hbm("k", (bsz * hkv * d, seq), "bf16"),
-        "v": kb.hbm("v", (bsz * seq, hkv * d), "bf16"),
-        "out": kb.hbm("out", (bsz * seq, hq * d), "bf16"),
-        "k_cache": kb.hbm("k_cache", (bsz * hkv * d, cap + pad_k), "bf16"),
-        "v_cache": kb.hbm("v_cache", (bsz * hkv * cap, d), "bf16"),
-        "rope_cos": kb.hbm("rope_cos", (ctx, h2), "f32"), "rope_sin": kb.hbm("rope_sin", (ctx, h2), "f32"),
-        "rope_cos_t": kb.hbm("rope_cos_t", (h2, ctx), "f32"),
-        "rope_sin_t": kb.hbm("rope_sin_t", (h2, ctx), "f32"),
-    }
-    sinks_h = kb.hbm("sinks", (hq, 1), "f32") if plan.sinks else None
-    mask_h = kb.hbm("mask", (len(deltas) * t, t), "f32") if deltas else None
-    q_h, out_h, kc_h = hbm["q"], hbm["out"], hbm["k_cache"]
+
+def _mask_const(lay: _PrefillLayout) -> np.ndarray:
+    """f32[patterns*t, t]: the [t, t] additive mask patterns stacked in increasing delta."""
+    return np.concatenate([lay.patterns[dl] for dl in sorted(lay.patterns)])
+
+
+def _prefetchable(em: _Core) -> int:
+    """Leading steps of a core a prefetch part may load: those of the first KV slots (no slot
+    reuse) that read only the prior context (no gate on phase 1) and wait for no writer."""
+    n = 0
+    for _, st in em.flat[:em.p.nbuf]:
+        if st.gated or st.k_waits or st.v_waits:
+            break
+        n += 1
+    return n
+
+
+# --- the emitter --------------------------------------------------------------------------------
+def emit_prefill(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef], out: Out | None = None, *,
+                 mask: TensorRef | None = None, k_transposed: bool = False, prefetch: bool = True) -> Emitter:
+    """Emit attention-prefill (see the module docstring).
+
+    Args:
+        ctx: the emit context (its budget plans the kernel).
+        shape: the kernel's shape keys.
+        t: ``prefill_tensors``' refs: q, k, v (HBM, possibly with readiness regions, or on chip),
+            the caches (HBM, written in place), the RoPE tables and sinks (HBM).
+        out: ``Out.to(ref)`` (a token-major HBM tensor), ``Out.onchip()`` (each unit's rows kept
+            in the scratchpad of the core that finalised them, one piece per head, ready when its
+            vector unit has written them), or None: a new HBM tensor ``out``.
+        mask: the [patterns*t, t] f32 mask constant already allocated (stand-alone build);
+            None: allocated here with ``ctx.const``.
+        k_transposed: ``k`` is the stand-alone launch's K^T input [batch*kv_heads*head_dim, seq]
+            in HBM (no transpose on chip).
+        prefetch: put the constants, the queries when in HBM from the start and the first KV
+            slots' prior-context tiles in the prefetch part (before phase 1 on their queues);
+            False: nothing is prefetched and the program is the stand-alone launch's, phase 1
+            first.
+
+    Yields/returns ``{"out": ref, "k_cache": ref, "v_cache": ref}``: the caches with each
+    chunk's written region ready when its store has landed.
+    """
+    kb = ctx.kb
+    lay = _prefill_plan(shape, ctx.spec, ctx.budget)
+    plan, cap, unit_tiles = lay.plan, lay.cap, lay.tiles
+    bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
+                                                      "head_dim"))
+    hpk, hs, tt, h2 = hq // hkv, plan.hpk, plan.tk, d // 2
+    n_tiles = -(-seq // tt)
+    deltas = sorted(lay.patterns)
+    q, k, v, kc, vc = (t[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
+    want = {"q": (bsz * seq, hq * d), "k": (bsz * hkv * d, seq) if k_transposed else (bsz * seq, hkv * d),
+            "v": (bsz * seq, hkv * d), "k_cache": (bsz * hkv * d, cap + k_pad(ctx.spec, "bf16")),
+            "v_cache": (bsz * hkv * cap, d)}
+    for name, shp in want.items():
+        if t[name].shape != shp:
+            raise InvalidArgumentError(f"attention-prefill: {name} is {list(t[name].shape)}, expected "
+                                       f"{list(shp)}" + (" (K^T)" if name == "k" and k_transposed else ""))
+    if not (kc.in_hbm and vc.in_hbm) or (k_transposed and not k.in_hbm):
+        raise InvalidArgumentError("attention-prefill: the caches (and a K^T input) must be HBM tensors")
+    if out is None:
+        out = Out.to(TensorRef.hbm("out", kb.hbm("out", want["q"], "bf16")))
+    if out.cores is not None:
+        raise InvalidArgumentError("attention-prefill: a replicated output is not supported "
+                                   "(use Out.onchip() or Out.to(ref))")
+    if out.in_hbm and out.ref.shape != want["q"]:
+        raise InvalidArgumentError(f"attention-prefill: out is {list(out.ref.shape)}, "
+                                   f"expected {list(want['q'])}")
+    if mask is None and deltas:
+        mask = TensorRef.hbm("mask", ctx.const("mask", _mask_const(lay), "f32"))
+    sinks_h = t["sinks"].hbm_view(0, 0, hq, 1) if plan.sinks else None
+    static_q = q.in_hbm and not q.waits()
+
+    def q_fetch(bb: int, q0: int, nq: int, h0: int,
+                waited: dict[Any, set[Ready]]) -> Callable[[EngineHandle, Tile], None]:
+        def issue(queue: EngineHandle, dst: Tile) -> None:  # heads stacked in rows, [nq, D] each
+            for i, h in enumerate(range(h0, h0 + hs)):
+                fetch(queue, dst.sub(i * nq, 0, nq, d), q, bb * seq + q0, h * d, waited=waited)
+        return issue
 
     units = []
     for bb in range(bsz):
         for g in range(hkv):
             for qi in range(n_tiles):
-                q0, nq = qi * t, min(t, seq - qi * t)
+                q0, nq = qi * tt, min(tt, seq - qi * tt)
                 for h0 in range(g * hpk, (g + 1) * hpk, hs):  # one slice: the whole group unless lean
-                    heads = range(h0, h0 + hs)
-                    unit = _Unit(heads=hs, nq=nq, q=[q_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                                 out=[out_h.sub(bb * seq + q0, h * d, nq, d) for h in heads],
-                                 sink_row=h0, cos=hbm["rope_cos"].sub(prior + q0, 0, nq, h2),
-                                 sin=hbm["rope_sin"].sub(prior + q0, 0, nq, h2), key=(bb, g, qi, h0))
-                    units.append(unit)
-    cores = min(spec.core.count, len(units))
+                    heads = range(h0, h0 + hs) if static_q else ()  # else q_fetch brings them
+                    rows = [q.hbm_view(bb * seq + q0, h * d, nq, d) for h in heads]
+                    units.append(_Unit(
+                        heads=hs, nq=nq, q=rows, out=[], sink_row=h0,
+                        cos=t["rope_cos"].hbm_view(prior + q0, 0, nq, h2),
+                        sin=t["rope_sin"].hbm_view(prior + q0, 0, nq, h2), key=(bb, g, qi, h0)))
+    cores = min(ctx.budget.cores, len(units))
     per_core = _assign(units, [len(unit_tiles[u.key[2]]) for u in units], cores)
-    written = _emit_cache_writes(kb, spec, shape, lay, hbm)
+    writer = _CacheWriter(ctx, shape, lay, token_major=not k_transposed,
+                          engine_cores={c for c in range(cores) if per_core[c]})
+    kc_out, vc_out = writer.written_refs(kc, vc)
+    # V of the chunk comes from v when it is in HBM; from the cache, once written, when on chip.
+    v_src_cache = vc if v.in_hbm else vc_out
 
+    ems: list[tuple[_Core, list[tuple[Tile, Tile]], Tile | None]] = []
     for c in range(cores):
         mine = per_core[c]
         if not mine:
@@ -754,25 +671,108 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         if sinks_h is not None:
             sinks_s = kb.sram(c, "sinks", (hq, 1), "f32")
             consts.append((sinks_s, sinks_h))
-        if mask_h is not None:
-            masks_s = kb.sram(c, "masks", (len(deltas) * t, t), "f32")
-            consts.append((masks_s, mask_h))
+        if mask is not None:
+            masks_s = kb.sram(c, "masks", (len(deltas) * tt, tt), "f32")
+            consts.append((masks_s, mask.hbm_view(0, 0, len(deltas) * tt, tt)))
+        waited: dict[Any, set[Ready]] = {}
         for unit in mine:
-            bb, g, qi, _ = unit.key
+            bb, g, qi, h0 = unit.key
             row = bb * hkv + g
+            if not static_q:
+                unit.q_fetch = q_fetch(bb, qi * tt, unit.nq, h0, waited)
             for k0, nk, delta in unit_tiles[qi]:
                 # K tiles wholly in the prior context need not wait for phase 1's writes.
-                st = _Step(n=nk, k=kc_h.sub(row * d, k0, d, nk), gated=k0 + nk > prior,
-                           v_parts=_v_parts(hbm, shape, cap, bb, g, k0, nk))
+                parts, v_waits = _v_parts(v, v_src_cache, shape, cap, bb, g, k0, nk)
+                st = _Step(n=nk, k=kc.hbm_view(row * d, k0, d, nk), gated=k0 + nk > prior, v_parts=parts,
+                           k_waits=tuple(kc.waits(row * d, k0, d, nk)), v_waits=v_waits)
                 if delta is not None:
-                    st.mask = masks_s.sub(deltas.index(delta) * t, 0, unit.nq, nk)
+                    st.mask = masks_s.sub(deltas.index(delta) * tt, 0, unit.nq, nk)
                 unit.steps.append(st)
-        em = _Core(kb, c, plan, mine)
-        em.emit_queries(consts)
-        em.emit_loads(written, None)  # V never waits: the chunk's rows come from v itself
+        ems.append((_Core(kb, c, plan, mine), consts, sinks_s))
+
+    # The output: HBM rows ready when their unit's store lands, or kept rows ready when written.
+    if out.in_hbm:
+        ref = out.ref
+        for em, *_ in ems:
+            for u, unit in enumerate(em.units):
+                bb, _, qi, h0 = unit.key
+                r0 = bb * seq + qi * tt
+                unit.out = [ref.hbm_view(r0, h * d, unit.nq, d) for h in range(h0, h0 + hs)]
+                ref = ref.with_ready(r0, h0 * d, unit.nq, hs * d, (em.sem["stored"].id, u + 1))
+    else:
+        pieces = []
+        for em, *_ in ems:
+            for u, unit in enumerate(em.units):
+                bb, _, qi, h0 = unit.key
+                unit.out_keep = kb.sram(em.c, f"out{u}", (unit.rows, d), "bf16", keep=True)
+                nq = unit.nq
+                pieces += [Piece(bb * seq + qi * tt, h * d, nq, d, unit.out_keep.sub(i * nq, 0, nq, d), None,
+                                 (em.sem["fin"].id, u + 1)) for i, h in enumerate(range(h0, h0 + hs))]
+        ref = TensorRef.onchip("out", want["q"], "bf16", pieces)
+    outs = {"out": ref, "k_cache": kc_out, "v_cache": vc_out}
+
+    # Prefetch: the identity, the constants, the queries when in HBM from the start, and the
+    # first KV slots' prior-context tiles (phase 1's loads queue behind them).
+    early = {em.c: prefetch and static_q and not em.query_loads_wait() for em, *_ in ems}
+    pre = {em.c: _prefetchable(em) if prefetch else 0 for em, *_ in ems}
+    if prefetch:
+        writer.emit_eye()
+        for em, consts, _ in ems:
+            em.emit_consts(consts)
+            if early[em.c]:
+                em.emit_query_loads()
+            em.emit_loads(writer.gate, None, 0, pre[em.c])
+    yield outs
+    writer.emit(t, {em.c: em.acc_o for em, *_ in ems})
+    for em, consts, sinks_s in ems:
+        if not prefetch:
+            em.emit_consts(consts)
+        if not early[em.c]:
+            em.emit_query_loads()
+        em.emit_loads(writer.gate, None, pre[em.c])  # V never gated: the chunk's rows come from v
         em.emit_mxu()
         em.emit_vpu(sinks_s, None, None)
         em.emit_stores()
+    return outs
+
+
+def _emit_prefill_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
+                         outs: dict[str, Out]) -> Emitter:
+    """``KernelDef.emit`` of attention-prefill: the caches are written in place (their ``Out``,
+    if any, must be the cache tensor itself)."""
+    for name in ("k_cache", "v_cache"):
+        o = outs.get(name)
+        if o is not None and (not o.in_hbm or o.ref.base != t[name].base):
+            raise InvalidArgumentError(f"attention-prefill: {name} is updated in place; its output must "
+                                       f"be the {name} tensor itself")
+    return emit_prefill(ctx, shape, t, outs.get("out"))
+
+
+# --- the stand-alone launch -------------------------------------------------------------------
+def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+    """attention-prefill stand-alone: causal attention of ``seq`` new tokens over ``prior`` cached
+    ones and themselves, writing the chunk's K and V into the decode cache (see the module doc):
+    its emitter with every tensor in HBM and the K^T input, nothing prefetched (phase 1 first)."""
+    lay = _prefill_plan(shape, spec)
+    plan, cap, unit_tiles, patterns = lay.plan, lay.cap, lay.tiles, lay.patterns
+    bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
+                                                      "head_dim"))
+    hpk, hs, t, h2, pad_k = hq // hkv, plan.hpk, plan.tk, d // 2, k_pad(spec, "bf16")
+    n_tiles, ctx = -(-seq // t), prior + seq
+
+    kb = KernelBuilder(f"attention_prefill_b{bsz}_seq{seq}_prior{prior}", chip=spec)
+    ectx = EmitCtx.standalone(kb)
+    allocs = [("q", (bsz * seq, hq * d), "bf16"), ("k", (bsz * hkv * d, seq), "bf16"),
+              ("v", (bsz * seq, hkv * d), "bf16"), ("out", (bsz * seq, hq * d), "bf16"),
+              ("k_cache", (bsz * hkv * d, cap + pad_k), "bf16"), ("v_cache", (bsz * hkv * cap, d), "bf16"),
+              ("rope_cos", (ctx, h2), "f32"), ("rope_sin", (ctx, h2), "f32"),
+              ("rope_cos_t", (h2, ctx), "f32"), ("rope_sin_t", (h2, ctx), "f32")]
+    if plan.sinks:
+        allocs.append(("sinks", (hq, 1), "f32"))
+    refs = {name: TensorRef.hbm(name, kb.hbm(name, shp, dt)) for name, shp, dt in allocs}
+    mask = TensorRef.hbm("mask", ectx.const("mask", _mask_const(lay), "f32")) if patterns else None
+    run_emitter(emit_prefill(ectx, shape, refs, Out.to(refs["out"]), mask=mask, k_transposed=True,
+                             prefetch=False))
 
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
@@ -784,8 +784,7 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                "rope_cos_t": np.ascontiguousarray(cos.T), "rope_sin_t": np.ascontiguousarray(sin.T)}
         if plan.sinks:
             ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
-        if deltas:
-            ins["mask"] = np.concatenate([patterns[dl] for dl in deltas])
+        ins.update(ectx.consts)
         # The prior context (keys already rotated); the chunk's slots and the padding hold
         # garbage that the kernel must overwrite or never let through the mask.
         ins["k_cache"] = rng.standard_normal((bsz * hkv * d, cap + pad_k)).astype(_BF16)
@@ -797,15 +796,18 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
                                                         for qi, lst in unit_tiles.items()}, t)
         return {"out": np.asarray(out), "k_cache": kc, "v_cache": vc}
 
-    notes = {"tile_tokens": t, "units": len(units), "cores": cores, "kv_tiles": sum(
-        len(u.steps) for u in units), "mask_patterns": len(deltas), "prior": prior, "cache_capacity": cap,
-        "phase1_cores": written[1], "v_staging_slots": lay.v_slots, "heads_per_unit": hs,
-        "kv_slots": plan.nbuf, "lean": plan.lean}
+    units = bsz * hkv * n_tiles * (hpk // hs)
+    chunks = bsz * hkv * -(-seq // lay.p1_tokens)
+    notes = {"tile_tokens": t, "units": units, "cores": min(spec.core.count, units),
+             "kv_tiles": bsz * hkv * (hpk // hs) * sum(len(lst) for lst in unit_tiles.values()),
+             "mask_patterns": len(patterns), "prior": prior, "cache_capacity": cap,
+             "phase1_cores": min(spec.core.count, chunks), "v_staging_slots": lay.v_slots,
+             "heads_per_unit": hs, "kv_slots": plan.nbuf, "lean": plan.lean}
     return KernelBuild(program=kb.build(), make_inputs=make_inputs, reference=reference,
                        outputs={"out": ("bf16", (bsz * seq, hq * d)),
                                 "k_cache": ("bf16", (bsz * hkv * d, cap + pad_k)),
                                 "v_cache": ("bf16", (bsz * hkv * cap, d))},
-                       tolerance=_TOL, notes=notes)
+                       tolerance=TOL, notes=notes)
 
 
 def prefill_reference(inputs, shape, tiles: dict[int, list[tuple[int, int]]], t: int):
@@ -866,4 +868,6 @@ ATTENTION_PREFILL = register(KernelDef(
         *_COMMON_KEYS,
     ),
     build=build_prefill,
+    emit=_emit_prefill_kernel,
+    tensors_of=prefill_tensors,
 ))

@@ -7,17 +7,18 @@ the matrix unit (see kernels/attention.py for the whole design).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ml_dtypes
 
-from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.program import Tile
-from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.table import DTYPES
 
+from .planning import Budget
+
 _BF16 = ml_dtypes.bfloat16
-_SRAM_SHARE = 0.9  # keep a little scratchpad free
 _DECODE_TILES = (2048, 1024, 512, 256, 128, 64, 32)
 _PREFILL_TILES = (128, 64, 32)
 _NBUF = 6  # KV slots per core: two tiles in flight per stream, one being multiplied, one spare
@@ -39,6 +40,26 @@ class _Step:
     idx: Tile | None = None  # paged: [pages, 1] int32 SRAM indices into the pools
     mask: Tile | None = None  # [1, n] (broadcast over rows) or [nq, n] (per head)
     gated: bool = True  # its loads wait for emit_loads' gates (False: reads data already there)
+    k_waits: tuple[tuple[int, int], ...] = ()  # conditions before its K (V) loads: a writer's
+    v_waits: tuple[tuple[int, int], ...] = ()  # readiness regions the tile overlaps
+
+
+@dataclass
+class _Merge:
+    """Where the partial softmax states of a unit's KV splits meet: on the core of split 0.
+
+    Split i's (m, l) land in column i of ``m``/``lsum`` [R, splits] (FP32), its unnormalised O
+    in rows (i-1)*R.. of ``o`` [(splits-1)*R, D] (split 0 keeps its own); ``gathered`` counts the
+    splits whose copies have landed. ``a`` and ``w`` [R, splits] are the merge's temporaries.
+    """
+
+    splits: int
+    m: Tile
+    lsum: Tile
+    a: Tile
+    w: Tile
+    o: Tile | None
+    gathered: Semaphore
 
 
 @dataclass
@@ -54,6 +75,12 @@ class _Unit:
     sin: Tile | None = None
     key: tuple = ()  # decode (sequence, KV head); prefill (sequence, KV head, query tile, first head)
     steps: list[_Step] = field(default_factory=list)
+    sinks: bool = True  # the sink logits join the first tile (a KV split other than the first: no)
+    q_fetch: Callable[[EngineHandle, Tile], None] | None = None  # instead of q: issues the loads
+    # (or on-chip copies) of the unit's [R, D] query rows into the given tile on the given queue
+    out_keep: Tile | None = None  # the output is kept here [R, D] (on chip) instead of stored
+    merge: _Merge | None = None  # KV split: where the unit's splits meet
+    split: int = 0  # which split of its (sequence, KV head) the unit is (0: the one that merges)
 
     @property
     def rows(self) -> int:
@@ -129,15 +156,15 @@ def _nbytes(shape: tuple[int, int], dtype: str) -> int:
     return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64
 
 
-def _sram_left(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> int:
-    """Scratchpad bytes per core left in the engine's share after its buffers and ``consts_bytes``
-    (negative: they do not fit)."""
+def _sram_left(plan: _Plan, budget: Budget, consts_bytes: int) -> int:
+    """Scratchpad bytes per core left in the budget after the engine's buffers and
+    ``consts_bytes`` (negative: they do not fit)."""
     used = sum(_nbytes(s, dt) for _, s, dt in plan.sram_buffers()) + consts_bytes
-    return int(_SRAM_SHARE * spec.sram.scratchpad_bytes) - used
+    return budget.sram_bytes - used
 
 
-def _fits(plan: _Plan, spec: ChipSpec, consts_bytes: int) -> bool:
-    return _sram_left(plan, spec, consts_bytes) >= 0 and plan.acc_bytes() <= spec.sram.accumulator_bytes
+def _fits(plan: _Plan, budget: Budget, consts_bytes: int) -> bool:
+    return _sram_left(plan, budget, consts_bytes) >= 0 and plan.acc_bytes() <= budget.acc_bytes
 
 
 def _view(t: Tile, rows: int, cols: int, dtype: str | None = None, byte_off: int = 0) -> Tile:
@@ -164,6 +191,7 @@ class _Core:
         self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
         # Flattened steps: (unit index, step) in the order every engine walks them.
         self.flat = [(u, st) for u, unit in enumerate(units) for st in unit.steps]
+        self._load_waited: set[tuple] = set()  # (stream, queue, condition) already waited for
         self.first, self.last = {}, {}
         for j, (u, _) in enumerate(self.flat):
             self.first.setdefault(u, j)
@@ -175,23 +203,33 @@ class _Core:
         return self.buf[f"{name}{parity % self.p.slots(name)}"]
 
     # -- DMA queues ---------------------------------------------------------------------------
-    def emit_loads(self, k_gate: tuple | None, v_gate: tuple | None) -> None:
+    def emit_loads(self, k_gate: tuple | None, v_gate: tuple | None, start: int = 0,
+                   stop: int | None = None) -> None:
         """K tiles on queue 0 (and 2), V tiles on queue 1 (and 3), alternating: a signal on a
         DMA queue waits for that queue's transfers in flight, so two queues per stream keep two
         tiles in flight. A slot is reused once the matmul that read it is done.
         ``k_gate``/``v_gate`` (semaphore, value): each queue waits for its gate before its first
         load of a ``gated`` step (prefill: the first tile holding the chunk's own keys, so tiles
-        of prior context stream while the chunk's K is being written)."""
+        of prior context stream while the chunk's K is being written); a step's ``k_waits`` /
+        ``v_waits`` likewise, each once per queue. ``start``/``stop``: emit only steps
+        start..stop-1 (a fused program's prefetch part takes the first slots' tiles, which wait
+        for nothing but this core's own transfers)."""
         p, nq = self.p, self.p.kv_queues
         kqs = [self.core.dma[2 * i] for i in range(nq)]
         vqs = [self.core.dma[2 * i + 1] for i in range(nq)]
-        waited: set[tuple[str, int]] = set()
-        for j, (_, st) in enumerate(self.flat):
+        waited = self._load_waited
+        stop = len(self.flat) if stop is None else stop
+        for j in range(start, stop):
+            st = self.flat[j][1]
             slot, kq, vq = j % p.nbuf, kqs[j % nq], vqs[j % nq]
-            for stream, q, gate in (("k", kq, k_gate), ("v", vq, v_gate)):
+            for stream, q, gate, conds in (("k", kq, k_gate, st.k_waits), ("v", vq, v_gate, st.v_waits)):
                 if st.gated and gate is not None and (stream, j % nq) not in waited:
                     q.wait(*gate)
                     waited.add((stream, j % nq))
+                for cond in conds:
+                    if (stream, j % nq, cond) not in waited:
+                        q.wait(*cond)
+                        waited.add((stream, j % nq, cond))
             if j >= p.nbuf:  # the slot's previous tile has been multiplied
                 kq.wait(self.sem["sdone"], j - p.nbuf + 1)
                 vq.wait(self.sem["pvdone"], j - p.nbuf + 1)
@@ -216,16 +254,43 @@ class _Core:
             kq.signal(self.sem[f"kload{j % nq}"])
             vq.signal(self.sem[f"vload{j % nq}"])
 
+    def prefetchable(self) -> int:
+        """How many leading steps a prefetch part may load: those of the first ``nbuf`` slots
+        (no slot reuse, which waits for the matrix unit) before the first step with a wait of
+        its own (a readiness region of a writer, or a gate)."""
+        n = min(self.p.nbuf, len(self.flat))
+        for j in range(n):
+            st = self.flat[j][1]
+            if st.k_waits or st.v_waits:
+                return j
+        return n
+
     def emit_queries(self, consts: list[tuple[Tile, Tile]]) -> None:
         """Queue 2: the constants, then each unit's query rows (and RoPE rows) into a ring of 2."""
+        self.emit_consts(consts)
+        self.emit_query_loads()
+
+    def emit_consts(self, consts: list[tuple[Tile, Tile]]) -> None:
+        """Queue 2: the constants (RoPE rows, sinks, masks, block table), then their signal."""
         q = self.core.dma[2]
         for dst, src in consts:
             q.load(dst, src)
         q.signal(self.sem["consts"])
+
+    def query_loads_wait(self) -> bool:
+        """True when the query loads wait for the vector unit (a ring shorter than the units):
+        they then belong after a fused program's prefetch part."""
+        return self.p.ring < len(self.units)
+
+    def emit_query_loads(self) -> None:
+        """Queue 2: each unit's query rows (and RoPE rows) into its ring slot."""
+        q = self.core.dma[2]
         for u, unit in enumerate(self.units):
             if u >= self.p.ring:  # ring slot free once the vector unit has rotated its last unit
                 q.wait(self.sem["qraw_free"], u - self.p.ring + 1)
             raw, r0 = self.b("qraw", u), 0
+            if unit.q_fetch is not None:
+                unit.q_fetch(q, raw.sub(0, 0, unit.rows, self.p.d))
             for src in unit.q:  # heads stacked in rows
                 q.load(raw.sub(r0, 0, src.rows, self.p.d), src)
                 r0 += src.rows
@@ -239,13 +304,25 @@ class _Core:
             q.signal(self.sem["qload"], len(self.units))
 
     def emit_stores(self) -> None:
+        """Queue 3: each finished unit's output rows to HBM (none for outputs kept on chip); a KV
+        split other than the first copies its partial state (m, l, unnormalised O) into the
+        merging core's buffers instead and signals the merge's ``gathered``."""
         q = self.core.dma[3]
         for u, unit in enumerate(self.units):
+            if unit.out_keep is not None:  # kept on chip: nothing to store
+                continue
             q.wait(self.sem["fin"], u + 1)
-            ob, r0 = self.b("outb", u), 0
-            for dst in unit.out:
-                q.store(dst, ob.sub(r0, 0, dst.rows, self.p.d))
-                r0 += dst.rows
+            if unit.split:
+                mg, r, i = unit.merge, unit.rows, unit.split
+                q.copy(mg.m.sub(0, i, r, 1), self.b("m", self.last[u]).sub(0, 0, r, 1))
+                q.copy(mg.lsum.sub(0, i, r, 1), self.b("l", u).sub(0, 0, r, 1))
+                q.copy(mg.o.sub((i - 1) * r, 0, r, self.p.d), self.b("O", u).sub(0, 0, r, self.p.d))
+                q.signal(mg.gathered)
+            else:
+                ob, r0 = self.b("outb", u), 0
+                for dst in unit.out:
+                    q.store(dst, ob.sub(r0, 0, dst.rows, self.p.d))
+                    r0 += dst.rows
             q.signal(self.sem["stored"])
 
     # -- matrix unit --------------------------------------------------------------------------
@@ -333,6 +410,8 @@ class _Core:
         u, st = self.flat[j]
         unit = self.units[u]
         r, n, first = unit.rows, st.n, j == self.first[u]
+        if not unit.sinks:
+            sinks = None
         col = lambda name, par=None: self.b(name, par).sub(0, 0, r, 1)  # noqa: E731
         s = self.buf["s"].sub(0, 0, r, n)
         v.wait(self.sem["sdone"], j + 1)
@@ -404,14 +483,46 @@ class _Core:
         v.add(big, big, o)
 
     def _finalize(self, u: int) -> None:
+        """out = bf16(O * recip(l)) into the unit's ring slot (or kept tile); a KV split other than
+        the first only signals (its queue 3 copies the partial state to the merging core), the
+        first merges its splits' states first (``_merge``)."""
         v, d = self.core.vpu, self.p.d
-        r = self.units[u].rows
-        if u >= self.p.ring:  # the ring slot's previous unit has been stored
+        unit = self.units[u]
+        r = unit.rows
+        if unit.split:
+            v.signal(self.sem["fin"])
+            return
+        if unit.merge is not None:
+            self._merge(u)
+        if u >= self.p.ring and unit.out_keep is None:  # the ring slot's previous unit has been stored
             v.wait(self.sem["stored"], u - self.p.ring + 1)
         rcp = self.buf["rcp"].sub(0, 0, r, 1)
         v.recip(rcp, self.b("l", u).sub(0, 0, r, 1))
-        v.mul(self.b("outb", u).sub(0, 0, r, d), self.b("O", u).sub(0, 0, r, d), rcp)
+        dst = unit.out_keep if unit.out_keep is not None else self.b("outb", u).sub(0, 0, r, d)
+        v.mul(dst, self.b("O", u).sub(0, 0, r, d), rcp)
         v.signal(self.sem["fin"])
+
+    def _merge(self, u: int) -> None:
+        """Flash-decoding's merge of the unit's KV splits, in split order, into its own O and l:
+        m = max_i m_i, a_i = exp(m_i - m), l = sum_i a_i l_i, O = sum_i a_i O_i (split 0's sink
+        is already in its m and l)."""
+        v, d = self.core.vpu, self.p.d
+        mg, r = self.units[u].merge, self.units[u].rows
+        big, lsum = self.b("O", u).sub(0, 0, r, d), self.b("l", u).sub(0, 0, r, 1)
+        v.copy(mg.m.sub(0, 0, r, 1), self.b("m", self.last[u]).sub(0, 0, r, 1))
+        v.copy(mg.lsum.sub(0, 0, r, 1), lsum)
+        v.wait(mg.gathered, mg.splits - 1)
+        mt = self.buf["mt"].sub(0, 0, r, 1)
+        v.reduce("max", mt, mg.m)
+        v.sub(mg.a, mg.m, mt)
+        v.exp(mg.a, mg.a)
+        v.mul(mg.w, mg.lsum, mg.a)
+        v.reduce("sum", lsum, mg.w)
+        v.mul(big, big, mg.a.sub(0, 0, r, 1))
+        o = self.buf["o"].sub(0, 0, r, d)
+        for i in range(1, mg.splits):
+            v.mul(o, mg.o.sub((i - 1) * r, 0, r, d), mg.a.sub(0, i, r, 1))
+            v.add(big, big, o)
 
     def emit_vpu(self, sinks: Tile | None, cos_row: Tile | None, sin_row: Tile | None) -> None:
         """Rotate unit u+1's queries before the first softmax of unit u; softmax(j) then

@@ -203,7 +203,8 @@ def decode_layout(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None =
     align = ps or 32
     start = lo // align * align
     hpk, n_units = hq // hkv, b * hkv
-    chosen = shape.get("kv_splits", 0) or _choose_splits(spec, budget, n_units, cap - start, align, d, hpk, kvd)
+    chosen = (shape.get("kv_splits", 0)
+              or _choose_splits(spec, budget, n_units, cap - start, align, d, hpk, kvd))
     if chosen > 1 and n_units * chosen > budget.cores:
         raise InvalidArgumentError(f"shape key kv_splits={chosen}: batch*kv_heads={n_units} units times "
                                    f"{chosen} splits need more than the {budget.cores} cores")

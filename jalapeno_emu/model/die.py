@@ -163,7 +163,10 @@ class DieModel:
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
         cfg = self.cfg
-        if self.fusion != "none":
+        # Known gap: a prefill chunk under layer fusion (activations through HBM between layer
+        # programs) disagrees with the reference on tiny-gpt-oss, while step fusion and layer-fused
+        # decode are bit-identical; until it is found, such chunks run launch by launch.
+        if self.fusion == "step" or (self.fusion == "layer" and step.phase == "decode"):
             return self._forward_fused(step, ids, t0)
         (embed,) = head_launches(cfg, step)
         x = self.run(embed, {"table": self.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)})["out"]

@@ -69,7 +69,8 @@ class FusedStep:
         logits = None
         for fb in self.programs(step):
             data: dict[str, Any] = dict(fb.consts)
-            data["residual0"] = np.zeros((step.tokens, cfg.hidden), _BF16)
+            if "residual0" in fb.externals:  # layer 0 of a program with the head adds a zero residual
+                data["residual0"] = np.zeros((step.tokens, cfg.hidden), _BF16)
             if "x_in" in fb.externals:
                 data["x_in"], data["residual_in"] = carry["x"], carry["residual"]
             ops = {o.label: o for o in fb.composer.ops}
@@ -125,6 +126,14 @@ class FusedStep:
             out = {"rope_cos": die.cos[:ctx], "rope_sin": die.sin[:ctx]}
             if cfg.sinks:
                 out["sinks"] = pk["sinks"]
+            if step.phase != "decode":  # attention-prefill: K^T tables and the cache of the prior tokens
+                prior = step.prior
+                width = shapes[hbm["k_cache"]][1][1]
+                cap = shapes[hbm["v_cache"]][1][0] // (step.batch * cfg.kv_heads)
+                out |= {"rope_cos_t": np.ascontiguousarray(die.cos[:ctx].T),
+                        "rope_sin_t": np.ascontiguousarray(die.sin[:ctx].T),
+                        "k_cache": _k_cache_layout(die.k_cache[layer][:, :, :prior], cap, width),
+                        "v_cache": _v_cache_layout(die.v_cache[layer][:, :, :prior], cap)}
             return out
         raise InvalidArgumentError(f"fused step: no data binding for operator {label!r}")
 
@@ -160,8 +169,9 @@ class FusedStep:
         new = step.tokens // step.batch
         for i in fb.layers:
             if cfg.attention == "gqa":
-                app = ops.get(f"L{i}.kv_append")
-                if app is None:
+                # decode: the append wrote position ctx-1; prefill: the attention wrote the chunk
+                app = ops.get(f"L{i}.kv_append") or ops.get(f"L{i}.attention")
+                if app is None or "k_cache" not in app.hbm:
                     continue
                 hkv, d = cfg.kv_heads, cfg.head_dim
                 k_name, v_name = app.hbm["k_cache"], app.hbm["v_cache"]
@@ -170,8 +180,9 @@ class FusedStep:
                 vc = result.read(v_name, "bf16", shapes[v_name][1])
                 cap = vc.shape[0] // (b * hkv)
                 kt = np.asarray(kc).reshape(b, hkv, d, -1)
-                die.k_cache[i][:, :, ctx - 1] = kt[..., ctx - 1]
-                die.v_cache[i][:, :, ctx - 1] = np.asarray(vc).reshape(b, hkv, cap, d)[:, :, ctx - 1]
+                new_pos = slice(ctx - new, ctx)
+                die.k_cache[i][:, :, new_pos] = kt[..., new_pos].transpose(0, 1, 3, 2)
+                die.v_cache[i][:, :, new_pos] = np.asarray(vc).reshape(b, hkv, cap, d)[:, :, new_pos]
             else:
                 app = ops[f"L{i}.mla_append"]
                 name = app.hbm["kv_cache"]

@@ -230,6 +230,7 @@ def time_layer(cfg: ModelConfig, layer: int, step: Step, spec: ChipSpec | str = 
     """
     timer = timer or StepTimer(spec)
     fusion = resolve_fusion(fusion, timer.spec)
+    cfg.window(layer)  # a layer that does not exist is refused by name, whatever the fusion
     if fusion != "none":
         from .fused_timing import fused_layer_timing
 

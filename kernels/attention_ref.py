@@ -23,7 +23,8 @@ soon as a tile with a real key arrives (every row has one: its own position)."""
 
 YARN_GPT_OSS = {"rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 4096,
                 "beta_fast": 32.0, "beta_slow": 1.0}
-"""gpt-oss-120b's ``rope_theta`` and ``rope_scaling`` (``/work/shared/model_configs.json``)."""
+"""gpt-oss-120b's ``rope_theta`` and ``rope_scaling``
+(https://huggingface.co/openai/gpt-oss-120b, config.json)."""
 
 _BF16 = ml_dtypes.bfloat16
 

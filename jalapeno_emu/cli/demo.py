@@ -26,7 +26,7 @@ from rich.table import Table
 from jalapeno_emu import mx
 from jalapeno_emu.cli.app import Abort, App
 
-HIDDEN = 2880  # gpt-oss-120b hidden_size (shared/model_configs.json)
+HIDDEN = 2880  # gpt-oss-120b hidden_size (https://huggingface.co/openai/gpt-oss-120b config.json)
 GATE_UP = 5760  # 2 x intermediate_size 2880: gate and up projections fused, as in the checkpoint
 
 

@@ -1,6 +1,6 @@
 """Sweeps: every (mapping, concurrency) point of a workload, in-process or in a process pool.
 
-Stage: serving. Points are independent simulations (DESIGN.md section 7: run them in a process
+Stage: serving. Points are independent simulations (docs/rack.md: run them in a process
 pool); ``workers=1`` runs them in this process, in order, which tests and 2-core CI use. A pool
 uses the ``spawn`` start method: forking a process that has JAX loaded is unsafe, so models must be
 picklable (module-level classes; the frozen dataclasses of :mod:`~jalapeno_emu.serving.synthetic` are).

@@ -4,7 +4,7 @@ Stage: serving. :func:`jalapeno_emu.serving.simulate.simulate` produces the per-
 the step counters of a measurement window; :func:`summarise` turns them into a frozen
 :class:`ServingMetrics` whose :meth:`~ServingMetrics.as_dict` field names are the CLI's JSON fields.
 
-Conventions (InferenceX conventions, docs/rack.md): TPOT per request = (E2E - TTFT) / (output tokens - 1), defined
+Conventions (InferenceX, docs/rack.md): TPOT per request = (E2E - TTFT) / (output tokens - 1), defined
 for requests with at least two output tokens; interactivity = 1 / median TPOT (tok/s/user); p99 is
 numpy's linear-interpolation percentile (as InferenceX's benchmark client computes it).
 """

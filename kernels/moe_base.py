@@ -30,13 +30,38 @@ from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, MXTensor
 from jalapeno_emu.isa.table import DTYPES
 
+from .base import TensorSpec
 from .moe_routing import RoutingDims
 
-__all__ = ["BIAS_PARTS", "MX_FMT", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "Counter", "MoeLayout", "Spec",
-           "activation_reference", "aligned", "bf16_accumulate", "bias_parts", "column", "emit_activation",
-           "expected_distinct_experts", "expert_rows_reference", "inorder_jit", "layout_bytes", "load_mx",
-           "mx_cols", "mx_rows", "mx_specs", "quant_reference", "slices_of", "store_mx", "view",
-           "weight_cols"]
+__all__ = [
+    "BIAS_PARTS",
+    "MX_FMT",
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
+    "Counter",
+    "MoeLayout",
+    "Spec",
+    "activation_reference",
+    "aligned",
+    "bf16_accumulate",
+    "bias_parts",
+    "column",
+    "emit_activation",
+    "expected_distinct_experts",
+    "expert_rows_reference",
+    "inorder_jit",
+    "layout_bytes",
+    "load_mx",
+    "mx_cols",
+    "mx_rows",
+    "mx_specs",
+    "quant_reference",
+    "slices_of",
+    "store_mx",
+    "view",
+    "weight_cols",
+    "weight_specs",
+]
 
 SWIGLU_ALPHA = 1.702
 """gpt-oss swiglu: glu * sigmoid(alpha * glu)."""
@@ -295,3 +320,21 @@ def _concat_cols(parts: list[Any]) -> Any:
                           scales=np.concatenate([np.asarray(q.scales) for q in parts], axis=1),
                           fmt=parts[0].fmt, axis=1, block_size=32)
     return jnp.concatenate(parts, axis=1)
+
+
+def weight_specs(p: MoeLayout) -> list[TensorSpec]:
+    """The weights every moe program reads, in its allocation order: the router panels [parts *
+    hidden, cols] (+ its bias [1, E] and score bias [1, E]) and the packed experts [E, bytes]
+    when there are routed experts; the packed shared experts [S, bytes] when there are any."""
+    out: list[TensorSpec] = []
+    h, e, rd = p.h, p.e, p.rd
+    if e:
+        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
+        if rd.router == "softmax_topk":
+            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
+        if rd.score_bias:
+            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
+        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
+    if p.s:
+        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    return out

@@ -86,6 +86,7 @@ from .moe_base import (
     quant_reference,
     slices_of,
     view,
+    weight_specs,
 )
 from .moe_pack import router_logical, split_layout, unpack_expert_biases, unpack_experts
 from .moe_routing import (
@@ -514,18 +515,10 @@ def gather_tensors(p: GatherPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ..
     """The gather program's HBM tensors, in the order its stand-alone program allocates them: x, y,
     the scratch xq, the router panels and biases, the packed tables, the scratch token lists and
     output row tables."""
-    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
+    t, h, e, fmt = p.t, p.h, p.e, shape["act_fmt"]
     out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output"),
            TensorSpec("xq", (t, h), fmt, "scratch", None if fmt == "bf16" else 1)]
-    if e:
-        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
-        if rd.router == "softmax_topk":
-            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
-        if rd.score_bias:
-            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
-        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
-    if p.s:
-        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    out += weight_specs(p)
     if e:
         out += [TensorSpec("list_ids", (e, p.nb * p.cap), "i32", "scratch"),
                 TensorSpec("list_weights", (e, p.nb * p.cap), "f32", "scratch"),

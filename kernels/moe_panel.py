@@ -70,6 +70,7 @@ from .moe_base import (
     slices_of,
     store_mx,
     view,
+    weight_specs,
 )
 from .moe_pack import router_logical, split_layout, unpack_expert_biases, unpack_experts
 from .moe_routing import (
@@ -391,21 +392,13 @@ def panel_tensors(p: PanelPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]
     """The panel program's HBM tensors, in the order its stand-alone program allocates them: x, y,
     the scratch xq / acts / outs, the router panels and biases, the packed tables, expert_ids, the
     scratch slot weights and slot ids (each core's gather indices)."""
-    t, h, e, rd, fmt = p.t, p.h, p.e, p.rd, shape["act_fmt"]
+    t, h, e, fmt = p.t, p.h, p.e, shape["act_fmt"]
     mx_axis = None if fmt == "bf16" else 1
     out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output")]
     out += [TensorSpec("xq", (t, h), fmt, "scratch", mx_axis),
             TensorSpec("acts", (p.terms * t, p.i), fmt, "scratch", mx_axis),
             TensorSpec("outs", (p.terms * t, h), "f32", "scratch")]
-    if e:
-        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
-        if rd.router == "softmax_topk":
-            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
-        if rd.score_bias:
-            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
-        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
-    if p.s:
-        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    out += weight_specs(p)
     if e:
         out += [TensorSpec("expert_ids", (p.d, 1), "i32", "output"),
                 TensorSpec("slot_weights", (p.d, t), "f32", "scratch"),

@@ -83,6 +83,7 @@ from .moe_base import (
     layout_bytes,
     slices_of,
     view,
+    weight_specs,
 )
 from .moe_pack import chunk_bytes, chunk_views
 from .moe_routing import (
@@ -517,17 +518,9 @@ def slot_tensors(p: MoePlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
     """The slot program's HBM tensors, in the order its stand-alone program allocates them: x, y,
     the router panels and biases, the packed tables, expert_ids; routed: the quantised x and the
     row table O (scratch)."""
-    t, h, e, rd = p.t, p.h, p.e, p.rd
+    t, h, e = p.t, p.h, p.e
     out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output")]
-    if e:
-        out.append(TensorSpec("router", (p.router_parts * h, p.router_cols), "bf16", "weight"))
-        if rd.router == "softmax_topk":
-            out.append(TensorSpec("router_bias", (1, e), "bf16", "weight"))
-        if rd.score_bias:
-            out.append(TensorSpec("score_bias", (1, e), "f32", "weight"))
-        out.append(TensorSpec("experts", (e, p.expert_bytes), "u8", "weight"))
-    if p.s:
-        out.append(TensorSpec("shared", (p.s, p.expert_bytes), "u8", "weight"))
+    out += weight_specs(p)
     if e:
         out.append(TensorSpec("expert_ids", (p.d, 1), "i32", "output"))
     if p.routed:

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.functional import sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 
@@ -30,8 +31,25 @@ from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
 
-__all__ = ["RMSNORM", "emit_rmsnorm", "rmsnorm_reference"]
+__all__ = ["RMSNORM", "VECTOR_PASSES", "emit_rmsnorm", "rmsnorm_reference"]
 
+VECTOR_PASSES = 8
+"""Vector passes per element of an RMSNorm with its residual add (add, square, reduce, scale,
+rsqrt, two muls, ...): what a row costs on the vector unit."""
+
+
+def _onchip_cores(tokens: int, hidden: int, spec: ChipSpec) -> int:
+    """Cores to split ``tokens`` rows over when the outputs stay on chip.
+
+    Every consumer then copies each row block from the core that holds it, one DMA per block;
+    a queue keeps ``dma.max_outstanding_per_queue`` of them in flight, so more blocks than that
+    cost another set-up round per fetch. Fewer, taller blocks are cheap for the norm: it needs
+    ``VECTOR_PASSES`` vector passes per row, so a block only grows past that count when its
+    rows take longer than one DMA set-up on the vector unit.
+    """
+    row_s = VECTOR_PASSES * hidden / spec.vector.lanes / spec.core.clock_hz
+    rows_per_setup = max(1, int(spec.dma.setup_latency_s / row_s))
+    return max(spec.dma.max_outstanding_per_queue, -(-tokens // rows_per_setup))
 
 
 def rmsnorm_reference(x, residual, weight, eps: float):
@@ -43,8 +61,9 @@ def rmsnorm_reference(x, residual, weight, eps: float):
     else:
         h = (jnp.asarray(x, jnp.float32) + jnp.asarray(residual, jnp.float32)).astype(jnp.bfloat16)
     hf = h.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.sum(hf * hf, axis=1, keepdims=True) * jnp.float32(1 / hf.shape[1])
-                    + jnp.float32(eps))
+    # The sum in column order, as the vector unit's ``vec.reduce sum`` does: XLA's own order
+    # agrees with it only on short rows (it differs at 1024 columns).
+    inv = jax.lax.rsqrt(sequential_row_sum(hf * hf) * jnp.float32(1 / hf.shape[1]) + jnp.float32(eps))
     y = ((hf * inv) * jnp.asarray(weight, jnp.float32)).astype(jnp.bfloat16)
     return y, h
 
@@ -104,6 +123,8 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
         work = [(c, 0, t) for c in y_out.cores]
     else:
         cores = min(ctx.budget.cores, t)
+        if not y_out.in_hbm:
+            cores = min(cores, _onchip_cores(t, h, spec))
         per = -(-t // cores)
         work = [(c, c * per, min(t, (c + 1) * per)) for c in range(cores) if c * per < t]
     rows_here = max(hi - lo for _, lo, hi in work)

@@ -439,9 +439,12 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                 own = owner["a_buf"][0].sub(0, pk0, rows, pw)
                 landed = kb.semaphore(f"c{owner_id}.x{i}.landed")
                 sent = kb.semaphore(f"c{owner_id}.x{i}.sent")
-                loads(q, own, m0, pk0)
-                q.signal(landed)
-                q.wait(landed, 1)
+                # x from other operators comes in many small pieces: spread them over the
+                # owner's queues (each keeps only max_outstanding transfers in flight).
+                used = fetch(q if x.in_hbm else owner["core"].dma, own, x, m0, pk0, waited=waited)
+                for uq in used:
+                    uq.signal(landed)
+                q.wait(landed, len(used))
                 for peer in members:
                     if peer != owner_id:
                         dst = per_core[peer]["a_buf"][0].sub(0, pk0, rows, pw)
@@ -452,7 +455,8 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                             q.copy(dst, own)
                 q.signal(sent)
                 for c in members:
-                    per_core[c]["x_parts"].append((pk0, pw, landed if c == owner_id else sent, 1))
+                    per_core[c]["x_parts"].append((pk0, pw, landed, len(used)) if c == owner_id
+                                                  else (pk0, pw, sent, 1))
         return x_from
 
     # x panels that stay for the whole kernel. Large ones (prefill) are shared by the G cores

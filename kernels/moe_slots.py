@@ -106,6 +106,7 @@ MAX_TOKENS = 128
 # build, check and time a full-size layer in seconds to tens of seconds.
 _MAX_ITEMS_PER_CORE = 64
 _REDUCE_GROUP = 16  # partials pulled per round of the dense reduction (bounds its buffer)
+_REDUCE_QUEUES = 4  # DMA queues the dense reduction spreads its pulls over (at most)
 # Weight loads in flight per core: two keep the DMA latency hidden, and the first item's weights
 # land after two chunks' share of HBM instead of nbuf (loads in flight share bandwidth fairly).
 _LOOKAHEAD = 2
@@ -532,10 +533,10 @@ def slot_tensors(p: MoePlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
 
 # --- the program ---------------------------------------------------------------------------------
 _SEMS = ("x_loaded", "consts", "wr_loaded", "r_done", "pulled", "xq_ready", "routed", "loaded", "gu_done",
-         "gu_read", "act_ready", "freed", "bias_ready", "bias_done", "red_loaded0", "red_loaded1", "red_free",
+         "gu_read", "act_ready", "freed", "bias_ready", "bias_done", "red_free",
          "y_ready", "y_stored", "x_rows", "x_rows0", "x_quant", "xq_stored", "sh_block", "sh_drained",
          "sh_done", "crl_ready", "partial_ready", "staged", "owned_ready", "zero_ready", "c_loaded",
-         "ids_stored")
+         "ids_stored", *(f"red_loaded{q}" for q in range(_REDUCE_QUEUES)))
 
 
 class _Program:
@@ -1160,7 +1161,10 @@ class _Program:
         v = core.vpu
         sem, red = B["sem"], B["red"]
         ybuf, ysum = B["ybuf"].sub(0, 0, t, hk), B["ysum"].sub(0, 0, t, hk)
-        queues = [core.dma[q] for q in range(2 % nq, nq)][:2] or [core.dma[0]]
+        # The partials are small (one descriptor each) and a queue keeps only
+        # ``max_outstanding_per_queue`` in flight: spread over up to four queues, 64 cores' pulls
+        # pay the DMA set-up once instead of once per 16 on each of two queues.
+        queues = [core.dma[(q + 2) % nq] for q in range(min(nq, _REDUCE_QUEUES))]
         for q in queues:
             q.wait(self.g["partials_ready"], p.cores)
         # Rounds of `group` partials (the buffer holds one round): y = ((p0 + p1) + p2) + ...

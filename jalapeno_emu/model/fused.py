@@ -40,6 +40,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.kernels.compose import Composer
 from jalapeno_emu.kernels.emit import Out, TensorRef, emit_copy, emit_store
+from jalapeno_emu.kernels.norm import VECTOR_PASSES as NORM_VECTOR_PASSES
 
 from .config import ModelConfig
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
@@ -50,8 +51,6 @@ __all__ = ["FUSION_LEVELS", "FusedBuild", "build_fused", "build_part", "check_fu
 FUSION_LEVELS = ("none", "layer", "step")
 """How launches are joined into Programs (see the module docstring)."""
 
-# Vector passes of an RMSNorm per element (add, square, reduce, two muls, ...): its cost per row.
-_NORM_PASSES = 8
 
 
 def check_fusion(fusion: str) -> str:
@@ -64,7 +63,7 @@ def check_fusion(fusion: str) -> str:
 def replicate_rows(tokens: int, hidden: int, spec: ChipSpec) -> bool:
     """True when every core computing all ``tokens`` rows of a norm is cheaper than one exchange
     (a DMA set-up): then the GEMMs after it read their input in place."""
-    vector_s = _NORM_PASSES * tokens * hidden / spec.vector.lanes / spec.core.clock_hz
+    vector_s = NORM_VECTOR_PASSES * tokens * hidden / spec.vector.lanes / spec.core.clock_hz
     return vector_s < spec.dma.setup_latency_s
 
 

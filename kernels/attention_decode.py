@@ -457,14 +457,28 @@ def emit_decode(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef], ou
                     unit.out = [_rows_view(ref.base, bb, g * hpk * d, hpk, d)]
                     ref = ref.with_ready(bb, g * hpk * d, 1, hpk * d, (em.sem["stored"].id, u + 1))
     else:
+        # A core's units of one sequence's consecutive KV heads write one contiguous row piece
+        # (ready when the last of them is): a consumer of the whole row then copies one piece
+        # per core, not one per head group (a DMA set-up round per max_outstanding pieces).
         pieces = []
         for em, *_ in cores:
+            runs: list[list[int]] = []
             for u, unit in enumerate(em.units):
-                bb, g = unit.key
-                if unit.split == 0:
-                    unit.out_keep = kb.sram(em.c, f"out{u}", (hpk, d), "bf16", keep=True)
-                    pieces.append(Piece(bb, g * hpk * d, 1, hpk * d, _view(unit.out_keep, 1, hpk * d), None,
-                                        (em.sem["fin"].id, u + 1)))
+                if unit.split:
+                    continue
+                prev = em.units[runs[-1][-1]].key if runs else None
+                if prev is not None and prev[0] == unit.key[0] and prev[1] + 1 == unit.key[1]:
+                    runs[-1].append(u)
+                else:
+                    runs.append([u])
+            for run in runs:
+                bb, g0 = em.units[run[0]].key
+                keep = kb.sram(em.c, f"out{run[0]}", (len(run) * hpk, d), "bf16", keep=True)
+                for i, u in enumerate(run):
+                    em.units[u].out_keep = keep.sub(i * hpk, 0, hpk, d)
+                cols = len(run) * hpk * d
+                pieces.append(Piece(bb, g0 * hpk * d, 1, cols, _view(keep, 1, cols), None,
+                                    (em.sem["fin"].id, run[-1] + 1)))
         ref = TensorRef.onchip("out", (bsz, hq * d), "bf16", pieces)
     outs = {"out": ref}
 

@@ -439,9 +439,8 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                 own = owner["a_buf"][0].sub(0, pk0, rows, pw)
                 landed = kb.semaphore(f"c{owner_id}.x{i}.landed")
                 sent = kb.semaphore(f"c{owner_id}.x{i}.sent")
-                # x from other operators comes in many small pieces: spread them over the
-                # owner's queues (each keeps only max_outstanding transfers in flight).
-                used = fetch(q if x.in_hbm else owner["core"].dma, own, x, m0, pk0, waited=waited)
+                used = fetch(q if x.in_hbm else _exchange_queues(owner["core"], x, m0, pk0, rows, pw, spec),
+                             own, x, m0, pk0, waited=waited)
                 for uq in used:
                     uq.signal(landed)
                 q.wait(landed, len(used))
@@ -613,6 +612,18 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
             else:
                 vpu.signal(r["fin"])
     return outs
+
+
+def _exchange_queues(core: Any, x: TensorRef, r0: int, c0: int, rows: int, cols: int,
+                     spec: ChipSpec) -> list[Any]:
+    """The queues of ``core`` that copy region [r0:r0+rows, c0:c0+cols] of the on-chip ``x``:
+    the last queue, and one more (from the end) per ``max_outstanding_per_queue`` pieces beyond
+    it. A queue keeps only that many copies in flight, so many pieces on one queue pay a DMA
+    set-up per round; but a queue's signal also waits for whatever it carries before (the next
+    operators' prefetches), so no more queues than the rounds need."""
+    pieces = len(x.sources(r0, c0, rows, cols, near=core.dma[-1].engine.core))
+    n = min(len(core.dma), max(1, -(-pieces // spec.dma.max_outstanding_per_queue)))
+    return [core.dma[-1 - i] for i in range(n)]
 
 
 def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[int, int, int, int],

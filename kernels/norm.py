@@ -68,8 +68,13 @@ def rmsnorm_reference(x, residual, weight, eps: float):
     return y, h
 
 
-def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec, budget_bytes: int) -> tuple[int, int]:
+def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec, budget_bytes: int,
+            min_tiles: int = 4) -> tuple[int, int]:
     """(rows per tile, buffer slots): two slots (double-buffered) when a row fits twice, else one.
+
+    ``min_tiles``: tiles per core to aim for when there are rows enough, so that loads, math and
+    stores overlap (1 for inputs copied from other cores' scratchpads: their copies are small
+    and each tile's costs another DMA set-up round).
 
     GPU presets' 228 KiB shared memory cannot hold two 7168-wide rows with their f32 scratch;
     a single slot there serialises load, math and store of each tile, which is what fits."""
@@ -77,13 +82,12 @@ def _tiling(hidden: int, rows: int, fused: bool, spec: ChipSpec, budget_bytes: i
     # double-buffered sizing counts all five even without the residual, as it always has).
     per_row = 12 * hidden
     budget = budget_bytes // 2 - 4 * hidden
-    # At least four tiles per core when there are rows enough, so loads, math and stores overlap.
-    r = min(-(-rows // 4), budget // per_row)
+    r = min(-(-rows // min_tiles), budget // per_row)
     if r >= 1:
         return r, 2
     # One slot: only the buffers the variant uses (x, y, f32 scratch; residual and h when fused).
     per_row_single = (12 if fused else 8) * hidden
-    r = min(-(-rows // 4), (budget_bytes - 4 * hidden) // per_row_single)
+    r = min(-(-rows // min_tiles), (budget_bytes - 4 * hidden) // per_row_single)
     if r >= 1:
         return r, 1
     raise DoesNotFit(
@@ -130,7 +134,9 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
     rows_here = max(hi - lo for _, lo, hi in work)
     # Outputs kept on chip live beside the tile buffers: plan the tiles in what they leave.
     kept_bytes = rows_here * h * 2 * ((not y_out.in_hbm) + (fused and not h_out.in_hbm))
-    r, n_slots = _tiling(h, rows_here, fused, spec, ctx.budget.sram_bytes - kept_bytes)
+    onchip_inputs = not x.in_hbm and (residual is None or not residual.in_hbm)
+    r, n_slots = _tiling(h, rows_here, fused, spec, ctx.budget.sram_bytes - kept_bytes,
+                         min_tiles=1 if onchip_inputs else 4)
     w_h = w.hbm_view(0, 0, 1, h)
     eps_h = eps_ref.hbm_view(0, 0, 1, 1) if eps_ref is not None else \
         ctx.const("eps", np.full((1, 1), eps, np.float32), "f32")

@@ -145,3 +145,32 @@ def test_fused_gpt_oss_prefill_layer_builds_and_checks():
     assert "L0.attention" in fb.layer_ops[0]
     assert not any(op.replanned for op in fb.composer.ops)
     check_program(fb.program, TINY)
+
+
+def test_decode_output_kept_on_chip_is_one_piece_per_run_of_heads_and_equals_the_launch():
+    """attention-decode with its output kept on chip: a core's units of one sequence's
+    consecutive KV heads leave one row piece (a consumer copies one piece per core, not one per
+    head group), and the stored result is the launch's, bit for bit."""
+    kd = get_kernel("attention-decode")
+    shape = kd.shape({"batch": 2, "context": 40, "q_heads": 4, "kv_heads": 2, "head_dim": 64})
+    b, hq, d = shape["batch"], shape["q_heads"], shape["head_dim"]
+    kb = KernelBuilder("fused_decode", chip=TINY)
+    comp = Composer(kb, TINY)
+    comp.value("q", TensorRef.hbm("q", kb.hbm("q", (b, hq * d), "bf16")))
+    comp.value("res", TensorRef.hbm("res", kb.hbm("res", (b, hq * d), "bf16")))
+    comp.add_kernel("attn", "attention-decode", shape, inputs={"q": "q"}, outputs={"out": "o"},
+                    outs={"out": Out.onchip()})
+    comp.add("store", lambda ctx, src: emit_store(ctx, src, Out.to(comp.values["res"])), {"src": "o"},
+             {"y": "stored"}, kind="store")
+    comp.build()
+    pieces = comp.values["o"].pieces
+    # 2 sequences x 2 KV heads on 2 cores: each core holds one sequence's whole row
+    assert [(p.r0, p.c0, p.rows, p.cols) for p in pieces] == [(0, 0, 1, hq * d), (1, 0, 1, hq * d)]
+    prog = kb.build()
+    check_program(prog, TINY)
+    build = kd.build(shape, TINY)
+    ins = build.make_inputs(3)
+    data = {"q": ins["q"], **{f"attn/{n}": v for n, v in ins.items() if n != "q"}}
+    got = run_functional(prog, {**data, **comp.ctx.consts}).read("res", "bf16", (b, hq * d))
+    want = run_functional(build.program, ins).read("out", "bf16", (b, hq * d))
+    assert np.array_equal(_bits(got), _bits(want))

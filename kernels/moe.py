@@ -225,6 +225,10 @@ def emit_moe(ctx: EmitCtx, shape: dict[str, Any], tensors: dict[str, TensorRef],
     ``ctx.budget``, reading ``tensors`` (every non-output tensor of ``moe_tensors``) and writing
     ``outs`` ("y", "expert_ids" for the slot programs). Yields/returns the output refs."""
     p = plan or plan_moe(shape, ctx.spec, ctx.budget)
+    missing = sorted({ts.name for ts in _tensors(p, shape) if ts.role != "output"} - set(tensors))
+    if missing:  # re-planned within a smaller budget into another program, with HBM tensors of its own
+        raise DoesNotFit(f"moe: the {type(p).__name__} program that fits needs HBM tensors "
+                         f"{', '.join(missing)} this operator was not given")
     if isinstance(p, GatherPlan):
         return emit_gather(ctx, p, shape, tensors, outs)
     if isinstance(p, PanelPlan):

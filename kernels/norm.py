@@ -38,20 +38,6 @@ VECTOR_PASSES = 8
 rsqrt, two muls, ...): what a row costs on the vector unit."""
 
 
-def _onchip_cores(tokens: int, hidden: int, spec: ChipSpec) -> int:
-    """Cores to split ``tokens`` rows over when the outputs stay on chip.
-
-    Every consumer then copies each row block from the core that holds it, one DMA per block;
-    a queue keeps ``dma.max_outstanding_per_queue`` of them in flight, so more blocks than that
-    cost another set-up round per fetch. Fewer, taller blocks are cheap for the norm: it needs
-    ``VECTOR_PASSES`` vector passes per row, so a block only grows past that count when its
-    rows take longer than one DMA set-up on the vector unit.
-    """
-    row_s = VECTOR_PASSES * hidden / spec.vector.lanes / spec.core.clock_hz
-    rows_per_setup = max(1, int(spec.dma.setup_latency_s / row_s))
-    return max(spec.dma.max_outstanding_per_queue, -(-tokens // rows_per_setup))
-
-
 def rmsnorm_reference(x, residual, weight, eps: float):
     """Pure-JAX RMSNorm with residual add, same roundings as the kernel: (y, h), both bf16.
 
@@ -126,9 +112,9 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
     if replicated:
         work = [(c, 0, t) for c in y_out.cores]
     else:
+        # (Fewer, taller row blocks would let each consumer copy fewer pieces, but the kept
+        # rows then crowd those cores' scratchpads: DeepSeek-R1's batch-64 FFN stopped fitting.)
         cores = min(ctx.budget.cores, t)
-        if not y_out.in_hbm:
-            cores = min(cores, _onchip_cores(t, h, spec))
         per = -(-t // cores)
         work = [(c, c * per, min(t, (c + 1) * per)) for c in range(cores) if c * per < t]
     rows_here = max(hi - lo for _, lo, hi in work)

@@ -13,9 +13,10 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "atomic_write_json"]
+__all__ = ["atomic_write", "atomic_write_json", "cache_root"]
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
@@ -40,3 +41,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
 def atomic_write_json(path: str | os.PathLike[str], doc: Any) -> None:
     """``doc`` as JSON at ``path``, written whole or not at all."""
     atomic_write(path, lambda f: f.write(json.dumps(doc).encode("utf-8")))
+
+
+def cache_root() -> Path:
+    """The directory jalapeno-emu keeps its caches under (kernel timings, compiled functions):
+    ``$JALAPENO_EMU_CACHE_DIR``, else ``~/.cache/jalapeno-emu``."""
+    root = os.environ.get("JALAPENO_EMU_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "jalapeno-emu"

@@ -15,6 +15,7 @@ from rich.markup import escape
 from jalapeno_emu import __version__
 from jalapeno_emu.cli import asm, bench, chip, demo, kernel, model, rack, run, validate
 from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.emu.compile_cache import disable_compile_cache
 from jalapeno_emu.errors import EmuError
 
 COMMANDS = (demo, chip, asm, run, bench, kernel, model, rack, validate)
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse tree: one subparser per command module (each has ``register``)."""
     parser = _Parser(prog="jalapeno-emu", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"jalapeno-emu {__version__}")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled functions in the persistent cache "
+                             "(default: on, in jax/ under $JALAPENO_EMU_CACHE_DIR or ~/.cache/jalapeno-emu)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         module.register(sub)
@@ -45,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         app.json_output = bool(getattr(args, "json", False))
+        if args.no_compile_cache:
+            disable_compile_cache()
         return int(args.run(app, args) or 0)
     except (Abort, EmuError) as exc:
         # escape: messages quote tiles and regions ("sram[c0]:0x0..0x40"), which rich would

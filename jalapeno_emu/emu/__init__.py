@@ -4,6 +4,8 @@ Stage: emulator, after the ISA and the chip spec. Public names are re-exported h
 """
 
 from jalapeno_emu.emu.check import check_program as check_program
+from jalapeno_emu.emu.compile_cache import disable_compile_cache as disable_compile_cache
+from jalapeno_emu.emu.compile_cache import enable_compile_cache as enable_compile_cache
 from jalapeno_emu.emu.functional import FunctionalResult as FunctionalResult
 from jalapeno_emu.emu.functional import run_functional as run_functional
 from jalapeno_emu.emu.hbm_map import bytes_per_pseudo_channel as bytes_per_pseudo_channel
@@ -24,6 +26,8 @@ __all__ = [
     "Timeline",
     "bytes_per_pseudo_channel",
     "check_program",
+    "disable_compile_cache",
+    "enable_compile_cache",
     "run_functional",
     "run_timing",
     "sequential_order",

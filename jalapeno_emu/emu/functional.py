@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jalapeno_emu.emu.compile_cache import ensure_default_compile_cache
 from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
@@ -570,6 +571,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
     """
     if compile not in COMPILE_MODES:
         raise InvalidArgumentError(f"compile={compile!r} is not one of {COMPILE_MODES}")
+    ensure_default_compile_cache()
     layout, plan = _plan(program, schedule_seed)
     bufs = _initial_buffers(program, layout, inputs or {}, debug)
     state = {k: jnp.asarray(v) for k, v in bufs.items()}

@@ -43,6 +43,7 @@ from typing import Any
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.files import cache_root
 from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
@@ -128,10 +129,6 @@ def _spec_fingerprint(spec: ChipSpec) -> str:
     return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JALAPENO_EMU_CACHE_DIR") or Path.home() / ".cache" / "jalapeno-emu")
-
-
 def _key(launch: Launch) -> str:
     return json.dumps([launch.kernel, [list(kv) for kv in launch.shape]], separators=(",", ":"))
 
@@ -167,7 +164,7 @@ class LaunchTimer:
         self._file: Path | None = None
         self._disk: dict[str, LaunchTime] = {}
         if disk_cache:
-            directory = _cache_dir() if disk_cache is True else Path(disk_cache)
+            directory = cache_root() if disk_cache is True else Path(disk_cache)
             self._file = directory / f"timings-{_spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
             self._disk = _read_cache(self._file)
 

@@ -24,7 +24,7 @@ import jax
 from jalapeno_emu.files import cache_root
 
 __all__ = ["compile_cache_dir", "default_cache_dir", "disable_compile_cache", "enable_compile_cache",
-           "ensure_default_compile_cache"]
+           "ensure_default_compile_cache", "wanted_by_environment"]
 
 _OFF = {"0", "off", "false", "no"}
 _state = {"decided": False}
@@ -33,6 +33,11 @@ _state = {"decided": False}
 def default_cache_dir() -> Path:
     """Where the cache goes unless told otherwise: ``jax`` under ``files.cache_root()``."""
     return cache_root() / "jax"
+
+
+def wanted_by_environment() -> bool:
+    """False when ``JALAPENO_EMU_COMPILE_CACHE`` turns the cache off (0, off, false, no)."""
+    return os.environ.get("JALAPENO_EMU_COMPILE_CACHE", "1").strip().lower() not in _OFF
 
 
 def compile_cache_dir() -> Path | None:
@@ -72,7 +77,6 @@ def ensure_default_compile_cache() -> Path | None:
     configured; later calls change nothing. Returns the cache directory in use, or None."""
     if not _state["decided"]:
         _state["decided"] = True
-        wanted = os.environ.get("JALAPENO_EMU_COMPILE_CACHE", "1").strip().lower() not in _OFF
-        if wanted and compile_cache_dir() is None:
+        if wanted_by_environment() and compile_cache_dir() is None:
             enable_compile_cache()
     return compile_cache_dir()

@@ -47,8 +47,8 @@ def test_an_unusable_directory_leaves_the_cache_off(tmp_path):
 def test_the_cli_option_turns_it_off(tmp_path):
     env = {**os.environ, "JALAPENO_EMU_CACHE_DIR": str(tmp_path / "root")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    cmd = [sys.executable, "-m", "jalapeno_emu.cli.main", "--no-compile-cache", "kernel", "rmsnorm", "--check",
-           "--shape", "tokens=2", "--shape", "hidden=64", "--json"]
+    cmd = [sys.executable, "-m", "jalapeno_emu.cli.main", "--no-compile-cache", "kernel", "rmsnorm",
+           "--check", "--shape", "tokens=2", "--shape", "hidden=64", "--json"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "root" / "jax").exists()

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 from jalapeno_emu.files import cache_root
 
@@ -61,6 +62,9 @@ def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path | N
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX decides once, at a process's first compile, whether it uses the cache: anything
+    # compiled before this call (weights quantised, a reference run) would leave it unused.
+    _jax_cache.reset_cache()
     _state["decided"] = True
     return where
 
@@ -68,6 +72,7 @@ def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path | N
 def disable_compile_cache() -> None:
     """Turn the persistent cache off for this process (compiled functions stay in memory)."""
     jax.config.update("jax_compilation_cache_dir", None)
+    _jax_cache.reset_cache()
     _state["decided"] = True
 
 

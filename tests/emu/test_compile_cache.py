@@ -11,6 +11,8 @@ import numpy as np
 from jalapeno_emu.emu import run_functional
 from jalapeno_emu.emu.compile_cache import compile_cache_dir
 from tests.emu.programs import vector_program
+import jax.numpy as jnp
+jnp.ones(3).sum().block_until_ready()  # something compiled before the pass turns the cache on
 prog = vector_program("add", rows=4, cols=64)
 x = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
 run_functional(prog, {"X": x, "Y": x})

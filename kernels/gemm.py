@@ -351,6 +351,10 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
     y_out = y_out or Out.onchip()
     x_mx, w_mx = act_fmt != "bf16", weight_fmt != "bf16"
     x_static = x.in_hbm and not x.waits()
+    # A streamed x (one K chunk per weight chunk) that other operators produce is fetched in the
+    # rest, not beside the prefetched weights: a fetch waits for its producer, and in the prefetch
+    # part it would sit on a DMA queue ahead of the producer's own later loads (a deadlock).
+    defer_x = not plan.x_resident and not x_static
     mb, nb, kc = plan.mb, plan.nb, plan.kc
 
     def loads(q, dst, m0, k0) -> None:
@@ -534,7 +538,7 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
         r["steps"] = [(t, ci, k0, kw) for t, it in enumerate(items)
                       for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1))]
         for step, (t, _, k0, kw) in enumerate(r["steps"][:plan.slots]):
-            emit_chunk_load(r, plan, step, plan.items[c][t], k0, kw, w_view, x, loads)
+            emit_chunk_load(r, plan, step, plan.items[c][t], k0, kw, w_view, x, loads, with_x=not defer_x)
         r["fin"] = kb.semaphore(f"c{c}.fin")
         r["stored"] = kb.semaphore(f"c{c}.stored")
 
@@ -558,6 +562,15 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
         a_buf, tmp, b_bufs, b_buf = r["a_buf"], r.get("tmp"), r.get("b_bufs"), r["b_buf"]
         accs, out = r["accs"], r["out"]
         loaded = r["loaded"]
+        x_first = []  # deferred x chunks of the slots' first weight chunks
+        if defer_x:
+            for step0, (t0, _, k0, kw) in enumerate(r["steps"][:plan.slots]):
+                s = step0 % plan.slots
+                ld = core.dma[s % plan.load_queues]
+                m0, rows = items[t0][0], items[t0][1]
+                loads(ld, a_buf[s].sub(0, 0, rows, kw), m0, k0)
+                x_first.append(kb.semaphore(f"c{c}.x_first{s}"))
+                ld.signal(x_first[-1])
         freed = [kb.semaphore(f"c{c}.freed{s}") for s in range(plan.slots)]
         acc_done, acc_free = r["acc_done"], kb.semaphore(f"c{c}.acc_free")
         stored = r["stored"]
@@ -588,6 +601,8 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                 if ci == 0 and t >= plan.accs:  # this accumulator's previous block was read out
                     mxu.wait(acc_free, t - plan.accs + 1)
                 mxu.wait(loaded[s], use + 1)
+                if use == 0 and x_first:
+                    mxu.wait(x_first[s], 1)
                 mxu.matmul_mx(acc, a_t, b_t, mode="overwrite" if ci == 0 else "accumulate")
                 mxu.signal(freed[s])
                 step += 1
@@ -627,9 +642,10 @@ def _exchange_queues(core: Any, x: TensorRef, r0: int, c0: int, rows: int, cols:
 
 
 def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[int, int, int, int],
-                    k0: int, kw: int, w_view: Any, x: TensorRef, loads: Any) -> None:
+                    k0: int, kw: int, w_view: Any, x: TensorRef, loads: Any, *, with_x: bool = True) -> None:
     """Load weight chunk ``step`` (K rows k0..k0+kw of the item's columns) into its slot, with x's
-    chunk when x is streamed, and signal the slot's semaphore."""
+    chunk when x is streamed (unless ``with_x`` is False: the caller loads it), and signal the
+    slot's semaphore."""
     s = step % plan.slots
     core = r["core"]
     ld = core.dma[s % plan.load_queues]
@@ -643,7 +659,7 @@ def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[in
         ld.load(b_t.codes, w_src.codes)
     else:
         ld.load(b_t, w_src)
-    if not plan.x_resident:
+    if not plan.x_resident and with_x:
         loads(ld, r["a_buf"][s].sub(0, 0, rows, kw), m0, k0)
     ld.signal(r["loaded"][s])
 

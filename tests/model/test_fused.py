@@ -15,7 +15,8 @@ from jalapeno_emu.errors import ConfigError, InvalidArgumentError
 from jalapeno_emu.kernels.gemm import gemm_reference
 from jalapeno_emu.kernels.norm import rmsnorm_reference
 from jalapeno_emu.model import Step, load_model_config
-from jalapeno_emu.model.fused import build_fused, check_fusion, layer_windows, replicate_rows
+from jalapeno_emu.model.fused import build_fused, build_part, check_fusion, layer_windows, replicate_rows
+from jalapeno_emu.model.plan import launch
 from jalapeno_emu.model.timing import resolve_fusion
 
 V1 = load_preset("jalapeno-v1")
@@ -90,3 +91,18 @@ def test_bad_layer_selections_are_refused():
         build_fused(cfg, step, V1, layers=[7])
     with pytest.raises(InvalidArgumentError, match="head"):
         build_fused(cfg, step, V1, layers=[1], head=True)
+
+
+def test_a_streamed_gemm_input_from_a_tiled_norm_does_not_deadlock():
+    """The rack's token part of a gpt-oss-120b layer at tp=8 and 512 tokens: the norm walks its
+    rows in tiles (later tiles loaded in its rest part) and the QKV projection streams x in K
+    chunks. The projection's x fetches used to sit in its prefetch part, on the DMA queues ahead
+    of the norm's later tile loads, waiting for rows those loads feed: a deadlock."""
+    t, spec = 512, load_preset("jalapeno-v1")
+    las = (launch("attn_norm", "rmsnorm", hidden=2880, tokens=t),
+           launch("qkv_proj", "gemm", act_fmt="bf16", bias=True, k=2880, m=t, n=640, weight_fmt="bf16"),
+           launch("o_proj", "gemm", act_fmt="bf16", bias=True, k=512, m=t, n=2880, weight_fmt="bf16"),
+           launch("ffn_norm", "rmsnorm", hidden=2880, tokens=t))
+    fb = build_part(load_model_config("gpt-oss-120b"), Step("decode", batch=t, context=32), spec, 0, las)
+    tl = run_timing(fb.program, spec)  # raises Deadlock if an engine can never proceed
+    assert tl.time_s >= tl.lower_bound_s()

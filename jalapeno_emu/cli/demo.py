@@ -1,4 +1,5 @@
-"""``jalapeno-emu demo``: the whole stack on embedded defaults, in well under a minute.
+"""``jalapeno-emu demo``: the whole stack on embedded defaults (on two CPU cores about two minutes
+the first time, about one once compiled functions and kernel timings are cached).
 
 1. A tiny gpt-oss (same structure as gpt-oss-120b, small dimensions, seeded weights) prefills a
    32-token prompt and generates tokens on the emulated Jalapeño die, every kernel launch run

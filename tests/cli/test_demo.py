@@ -51,3 +51,15 @@ def test_console_script_module_runs_as_a_process():
     proc = subprocess.run(argv,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_demo_rack_section_estimates_both_concurrencies():
+    """The demo's third section, as it runs it: gpt-oss-120b on jalapeno-v1 racks at 8k/1k, the
+    rack grid's fused parts timed on the die (a deadlock there once failed the whole demo)."""
+    from jalapeno_emu.rack.deployment import rack_estimate
+
+    points = rack_estimate("gpt-oss-120b", "jalapeno-v1", 8192, 1024, (1, 64), disk_cache=False)
+    assert [p["concurrency"] for p in points] == [1, 64]
+    for p in points:
+        assert p["tpot_s"] > 0 and p["ttft_s"] > 0 and p["chips"] >= 1
+    assert points[1]["throughput_tok_s_per_chip"] > points[0]["throughput_tok_s_per_chip"]

@@ -52,7 +52,6 @@ FUSION_LEVELS = ("none", "layer", "step")
 """How launches are joined into Programs (see the module docstring)."""
 
 
-
 def check_fusion(fusion: str) -> str:
     """``fusion`` if it is a fusion level; InvalidArgumentError naming the choices otherwise."""
     if fusion not in FUSION_LEVELS:

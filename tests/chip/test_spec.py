@@ -10,7 +10,7 @@ from jalapeno_emu import chip
 from jalapeno_emu.chip import FIELDS, ChipSpec
 from jalapeno_emu.errors import ConfigError, EmuError
 
-PUBLIC = {  # Hot Chips 2026 and press coverage (DESIGN.md section 2)
+PUBLIC = {  # Hot Chips 2026 (OpenAI/Broadcom Jalapeño talk) and press coverage, as the preset cites
     "peak_mxfp4_flops_per_s": 13.3e15,
     "hbm_bytes_per_s": 15.4e12,
     "hbm_capacity_bytes": 216 * 2**30,

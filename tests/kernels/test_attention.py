@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import jalapeno_emu.model
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
@@ -196,13 +197,13 @@ def test_yarn_tables_follow_gpt_oss():
     assert inv_freq[0] == pytest.approx(1.0)  # fastest dims extrapolate: 1/theta^0
     # slowest dim is interpolated: 1/(factor * theta^(62/64))
     assert inv_freq[-1] == pytest.approx(1 / (32 * 150000 ** (62 / 64)), rel=1e-4)
-    config = Path("/work/shared/model_configs.json")
-    if config.exists():
-        hf = json.loads(config.read_text())["openai/gpt-oss-120b"]["hf_config"]
-        rs = hf["rope_scaling"]
-        assert {"rope_theta": hf["rope_theta"], "factor": rs["factor"],
-                                "original_max_position_embeddings": rs["original_max_position_embeddings"],
-                                "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"]} == YARN_GPT_OSS
+    # the packaged copy of https://huggingface.co/openai/gpt-oss-120b config.json
+    config = Path(jalapeno_emu.model.__file__).parent / "configs" / "gpt-oss-120b.json"
+    hf = json.loads(config.read_text())
+    rs = hf["rope_scaling"]
+    assert {"rope_theta": hf["rope_theta"], "factor": rs["factor"],
+            "original_max_position_embeddings": rs["original_max_position_embeddings"],
+            "beta_fast": rs["beta_fast"], "beta_slow": rs["beta_slow"]} == YARN_GPT_OSS
 
 
 @pytest.mark.parametrize("name, shape, match", [

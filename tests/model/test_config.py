@@ -57,7 +57,8 @@ def test_tiny_variants_keep_the_structure():
 def test_weights_and_kv_cache_against_public_estimates():
     spec = load_preset("jalapeno-v1")
     g = load_model_config("gpt-oss-120b")
-    # shared/model_configs.json: ~65.1 GB (60.9 GB MXFP4 experts + 4.2 GB BF16)
+    # the checkpoint at https://huggingface.co/openai/gpt-oss-120b: ~65.1 GB (60.9 GB MXFP4 experts
+    # + 4.2 GB BF16)
     assert model_weight_bytes(g) == pytest.approx(65.1e9, rel=0.01)
     # 18 full layers x (K + V) x 8 heads x 64 x 2 B per token, plus 18 sliding layers' 128 tokens
     assert kv_cache_bytes(g, 8192) == 8192 * 36864 + 18 * 128 * 2048

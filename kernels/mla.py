@@ -575,22 +575,14 @@ def _hbm_scratch(ctx: EmitCtx, ref: TensorRef | None, name: str, shape: tuple[in
 
 
 # --- decode: shape, splits, plan ------------------------------------------------------------
-@dataclass(frozen=True)
-class _Dec:
-    """A checked mla-decode shape: ``b`` sequences of ``c`` cached tokens in ``cap`` rows each
-    (``span``: c rounded up to 32, the tokens read), ``h`` heads, latent width ``r``, rope ``p``,
-    nope ``n``, value head ``v``, softmax ``scale``."""
+class _LatentDims:
+    """The widths every checked MLA shape derives from its dims ``h, r, p, n, v``."""
 
-    b: int
-    c: int
-    cap: int
-    span: int
     h: int
     r: int
     p: int
     n: int
     v: int
-    scale: float
 
     @property
     def w(self) -> int:
@@ -605,6 +597,24 @@ class _Dec:
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
         return self.h, self.r, self.p, self.n, self.v
+
+
+@dataclass(frozen=True)
+class _Dec(_LatentDims):
+    """A checked mla-decode shape: ``b`` sequences of ``c`` cached tokens in ``cap`` rows each
+    (``span``: c rounded up to 32, the tokens read), ``h`` heads, latent width ``r``, rope ``p``,
+    nope ``n``, value head ``v``, softmax ``scale``."""
+
+    b: int
+    c: int
+    cap: int
+    span: int
+    h: int
+    r: int
+    p: int
+    n: int
+    v: int
+    scale: float
 
 
 def _decode_shape(shape: dict[str, Any]) -> _Dec:
@@ -1503,7 +1513,7 @@ def _emit_mla_decode_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, Te
 
 # --- prefill --------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Pre:
+class _Pre(_LatentDims):
     """A checked mla-prefill shape: ``b`` sequences each adding ``s`` tokens after ``prior``
     cached ones (``c`` = prior + s tokens in ``cap`` rows per sequence), dims as ``_Dec``."""
 
@@ -1518,18 +1528,6 @@ class _Pre:
     n: int
     v: int
     scale: float
-
-    @property
-    def w(self) -> int:
-        return self.r + self.p
-
-    @property
-    def d(self) -> int:
-        return self.n + self.p
-
-    @property
-    def dims(self) -> tuple[int, int, int, int, int]:
-        return self.h, self.r, self.p, self.n, self.v
 
 
 def _prefill_shape(shape: dict[str, Any]) -> _Pre:

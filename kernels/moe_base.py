@@ -174,22 +174,22 @@ def mx_cols(x: MXTensor | Tile, c0: int, cols: int) -> MXTensor | Tile:
     return x.sub(0, c0, x.rows, cols)
 
 
+def _move_mx(move: Any, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
+    if isinstance(dst, MXTensor):
+        move(dst.codes, src.codes)
+        move(dst.scales, src.scales)
+    else:
+        move(dst, src)
+
+
 def load_mx(q: EngineHandle, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
     """dma.load of a tile, or of an MX tensor's codes then scales."""
-    if isinstance(dst, MXTensor):
-        q.load(dst.codes, src.codes)
-        q.load(dst.scales, src.scales)
-    else:
-        q.load(dst, src)
+    _move_mx(q.load, dst, src)
 
 
 def store_mx(q: EngineHandle, dst: MXTensor | Tile, src: MXTensor | Tile) -> None:
     """dma.store of a tile, or of an MX tensor's codes then scales."""
-    if isinstance(dst, MXTensor):
-        q.store(dst.codes, src.codes)
-        q.store(dst.scales, src.scales)
-    else:
-        q.store(dst, src)
+    _move_mx(q.store, dst, src)
 
 
 class Counter:

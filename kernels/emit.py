@@ -46,6 +46,7 @@ fused or not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -247,10 +248,27 @@ class TensorRef:
         rows = self.shape[0] - r0 if rows is None else rows
         cols = self.shape[1] - c0 if cols is None else cols
         out: list[Ready] = []
-        for p in self.pieces:
-            if p.ready is not None and p.overlaps(r0, c0, rows, cols) and p.ready not in out:
-                out.append(p.ready)
+        pieces = self.pieces
+        for k in self._overlapping(r0, c0, rows, cols):
+            ready = pieces[k].ready
+            if ready is not None and ready not in out:
+                out.append(ready)
         return out
+
+    @functools.cached_property
+    def _bounds(self) -> np.ndarray:
+        """[pieces, 4] int64: r0, r1, c0, c1 of each piece (a tensor is queried many times, and
+        a fused layer's tensors have thousands of pieces)."""
+        b = np.array([(p.r0, p.r0 + p.rows, p.c0, p.c0 + p.cols) for p in self.pieces], dtype=np.int64)
+        return b.reshape(-1, 4)
+
+    def _overlapping(self, r0: int, c0: int, rows: int, cols: int) -> list[int]:
+        """Indices of the pieces sharing an element with the region, in piece order."""
+        if len(self.pieces) < 16:
+            return [k for k, p in enumerate(self.pieces) if p.overlaps(r0, c0, rows, cols)]
+        b = self._bounds
+        hit = (b[:, 0] < r0 + rows) & (r0 < b[:, 1]) & (b[:, 2] < c0 + cols) & (c0 < b[:, 3])
+        return np.flatnonzero(hit).tolist()
 
     def hbm_view(self, r0: int, c0: int, rows: int, cols: int) -> Tile | MXTensor:
         """The HBM tile (MX: MXTensor with its scales) of a region of an HBM tensor."""
@@ -282,11 +300,12 @@ class TensorRef:
         part each contributes: pieces on core ``near`` first, then in order; the region must be
         covered (replicas are used once)."""
         self._check_region(r0, c0, rows, cols)
-        order = sorted(self.pieces, key=lambda p: p.core != near) if near is not None else self.pieces
+        candidates = [self.pieces[k] for k in self._overlapping(r0, c0, rows, cols)]
+        order = sorted(candidates, key=lambda p: p.core != near) if near is not None else candidates
         out: list[tuple[Piece, int, int, int, int]] = []
         need = np.zeros((rows, cols), dtype=bool)
         for p in order:
-            if p.tile is None or not p.overlaps(r0, c0, rows, cols):
+            if p.tile is None:
                 continue
             a0, b0 = max(r0, p.r0), max(c0, p.c0)
             a1, b1 = min(r0 + rows, p.r0 + p.rows), min(c0 + cols, p.c0 + p.cols)

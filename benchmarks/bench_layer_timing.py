@@ -38,8 +38,8 @@ import numpy as np
 from _common import write_json
 
 from jalapeno_emu.chip import load_preset
-from jalapeno_emu.emu.program import Instruction
 from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.isa.program import Instruction
 from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.kernels.runner import run_kernel
 from jalapeno_emu.model.config import load_model_config

@@ -28,9 +28,9 @@ from jalapeno_emu import mx
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
-from jalapeno_emu.emu.program import Program
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.program import Program
 
 TILE_M = TILE_N = 128
 

@@ -6,9 +6,9 @@ disassembler and builder. Its matrix-unit instruction computes exactly ``jalapen
 Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker, the binary encoding, the
 assembler/disassembler and the generated reference (``isa/README.md``).
 
-The modules that handle ``Instruction``/``Program`` objects load on first use: ``emu/program.py``
-imports ``isa.table`` (which runs this file), so importing them eagerly here would be an import
-cycle whenever ``jalapeno_emu.emu.program`` is imported first.
+The program representation (``Instruction``, ``Program``, ``Tile``: ``program.py``) lives here,
+below the emulator, which reads it; the ISA never imports the emulator. The modules that handle
+programs load on first use, so that importing the table stays cheap.
 """
 
 from __future__ import annotations

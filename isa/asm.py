@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
-from jalapeno_emu.emu.program import Allocation, HbmInit, Instruction, Program, Tile, parse_engine
 from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction
+from jalapeno_emu.isa.program import Allocation, HbmInit, Instruction, Program, Tile, parse_engine
 
 from .legality import check_instruction, operand_values
 from .table import DTYPES, TABLE, InstrSpec, OperandSpec, Space, by_mnemonic

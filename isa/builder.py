@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
-from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
+from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
 
 from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
 from .table import DTYPES, TABLE, InstrSpec, Space

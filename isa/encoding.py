@@ -49,8 +49,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from jalapeno_emu.emu.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction, InvalidArgumentError
+from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 
 from .legality import check_engine, operand_values
 from .table import DTYPES, Space, by_opcode

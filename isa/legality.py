@@ -18,8 +18,8 @@ import difflib
 import numbers
 from typing import Any
 
-from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import IllegalInstruction
+from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 
 from .table import TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
 

@@ -118,9 +118,9 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
+from jalapeno_emu.isa.program import Tile
 
 from .attention_decode import (
     TOL,

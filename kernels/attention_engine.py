@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import ml_dtypes
 
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 
 from .planning import Budget

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Program
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.program import Program
 
 __all__ = ["ROLES", "KernelBuild", "KernelDef", "ShapeKey", "TensorSpec", "Tolerance"]
 

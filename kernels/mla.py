@@ -116,9 +116,9 @@ import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 
 from .attention_ref import MASK_VALUE

@@ -26,8 +26,8 @@ import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import inorder_block_matmul
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, MXTensor
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 
 from .base import TensorSpec

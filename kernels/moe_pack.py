@@ -39,8 +39,8 @@ import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import MXTensor
+from jalapeno_emu.isa.program import Tile
 
 __all__ = ["ChunkViews", "chunk_bytes", "chunk_views", "pack_experts", "router_logical", "router_panels",
            "split_layout", "unpack_expert_biases", "unpack_experts"]

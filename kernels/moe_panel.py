@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import MXTensor
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
 
 from .base import TensorSpec

@@ -58,9 +58,9 @@ import numpy as np
 from jax import lax
 
 from jalapeno_emu.emu.functional import sequential_row_sum
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle
+from jalapeno_emu.isa.program import Tile
 
 __all__ = ["GATE_EPS", "RoutingDims", "check_routing_keys", "emit_gating", "emit_route_constants",
            "emit_routing", "fill_constant", "fill_ids", "flat_rows", "group_reference", "route_reference",

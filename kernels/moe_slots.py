@@ -67,8 +67,8 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
 
 from .base import TensorSpec

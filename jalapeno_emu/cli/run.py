@@ -13,10 +13,10 @@ from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
-from jalapeno_emu.emu.program import Program
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.isa.asm import assemble
 from jalapeno_emu.isa.encoding import decode_program
+from jalapeno_emu.isa.program import Program
 from jalapeno_emu.isa.table import Space
 
 

@@ -9,13 +9,13 @@ from jalapeno_emu.emu.compile_cache import enable_compile_cache as enable_compil
 from jalapeno_emu.emu.functional import FunctionalResult as FunctionalResult
 from jalapeno_emu.emu.functional import run_functional as run_functional
 from jalapeno_emu.emu.hbm_map import bytes_per_pseudo_channel as bytes_per_pseudo_channel
-from jalapeno_emu.emu.program import Engine as Engine
-from jalapeno_emu.emu.program import Instruction as Instruction
-from jalapeno_emu.emu.program import Program as Program
-from jalapeno_emu.emu.program import Tile as Tile
 from jalapeno_emu.emu.schedule import sequential_order as sequential_order
 from jalapeno_emu.emu.timeline import Timeline as Timeline
 from jalapeno_emu.emu.timing import run_timing as run_timing
+from jalapeno_emu.isa.program import Engine as Engine
+from jalapeno_emu.isa.program import Instruction as Instruction
+from jalapeno_emu.isa.program import Program as Program
+from jalapeno_emu.isa.program import Tile as Tile
 
 __all__ = [
     "Engine",

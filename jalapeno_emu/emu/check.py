@@ -27,7 +27,6 @@ from collections import defaultdict
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import (
     CapacityExceeded,
@@ -36,6 +35,7 @@ from jalapeno_emu.errors import (
     Race,
     UninitializedRead,
 )
+from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
 
 __all__ = ["check_program", "tiles_overlap"]

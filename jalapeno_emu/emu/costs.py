@@ -28,9 +28,9 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.hbm_map import channel_bytes
-from jalapeno_emu.emu.program import Engine, Program
 from jalapeno_emu.emu.schedule import link_key
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.program import Engine, Program
 from jalapeno_emu.isa.table import DTYPES, Space, by_mnemonic
 
 __all__ = ["KIND_NAMES", "TRANSCENDENTAL_OPS", "ProgramFacts", "StaticCosts", "program_facts"]

@@ -27,9 +27,9 @@ import numpy as np
 from jax import lax
 
 from jalapeno_emu.emu.compile_cache import ensure_default_compile_cache
-from jalapeno_emu.emu.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
+from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import DTYPES, Space
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.matmul import _matmul_jit

@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.isa.program import Tile
 
 __all__ = ["bytes_per_pseudo_channel", "channel_bytes", "pseudo_channel_of", "split_pseudo_channel"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Program
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.program import Program
 
 __all__ = [
     "default_stream_bytes",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from jalapeno_emu.emu.program import Instruction, Program
 from jalapeno_emu.errors import Deadlock
+from jalapeno_emu.isa.program import Instruction, Program
 
 __all__ = ["deadlock_error", "link_key", "sequential_order"]
 

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Engine, Program
 from jalapeno_emu.files import atomic_write_json
+from jalapeno_emu.isa.program import Engine, Program
 
 __all__ = ["BOUND_THRESHOLD", "CATEGORIES", "LATENCY_THRESHOLD", "Timeline"]
 

@@ -72,10 +72,10 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.costs import BARRIER, COPY, HBM, MXU, SEND, SIGNAL, VEC, WAIT, StaticCosts
-from jalapeno_emu.emu.program import Engine, Program
 from jalapeno_emu.emu.schedule import deadlock_error
 from jalapeno_emu.emu.timeline import Timeline
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.isa.program import Engine, Program
 
 __all__ = ["run_timing"]
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.program import Program, Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.program import Program, Tile
 from jalapeno_emu.kernels.compose import Composer
 from jalapeno_emu.kernels.emit import Out, TensorRef, emit_copy, emit_store
 from jalapeno_emu.kernels.norm import VECTOR_PASSES as NORM_VECTOR_PASSES

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, Semaphore
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
 from jalapeno_emu.rack.collectives import (
     ALGORITHMS,

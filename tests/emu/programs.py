@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jalapeno_emu.emu.program import Program
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.program import Program
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gemm_from_scratch import build_gemm

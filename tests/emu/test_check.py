@@ -4,9 +4,9 @@ import pytest
 
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.check import check_program, tiles_overlap
-from jalapeno_emu.emu.program import Tile
 from jalapeno_emu.errors import CapacityExceeded, Deadlock, OutOfBounds, Race, UninitializedRead
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
 from tests.emu.programs import build_gemm, matmul_tile_program
 

@@ -10,7 +10,7 @@ from jalapeno_emu.emu.hbm_map import (
     pseudo_channel_of,
     split_pseudo_channel,
 )
-from jalapeno_emu.emu.program import Tile
+from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
 
 

@@ -15,9 +15,9 @@ import ast
 import dataclasses
 from typing import Any
 
-from jalapeno_emu.emu.program import Engine, Instruction, Tile
 from jalapeno_emu.errors import IllegalInstruction
 from jalapeno_emu.isa.legality import check_instruction, check_rule
+from jalapeno_emu.isa.program import Engine, Instruction, Tile
 from jalapeno_emu.isa.table import DTYPES, InstrSpec, OperandSpec, Space
 
 _SHAPES = ((32, 64), (64, 32), (32, 32), (32, 2), (2, 32), (32, 1), (1, 64), (8, 8), (8, 1), (8, 4))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from jalapeno_emu.emu.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.errors import AssemblyError
 from jalapeno_emu.isa import TABLE, assemble, check_program, disassemble
 from jalapeno_emu.isa.asm import format_instruction, format_tile
+from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
 from tests.isa.forms import legal_forms
 

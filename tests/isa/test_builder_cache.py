@@ -40,7 +40,7 @@ def test_integer_operands_are_cached_by_their_side_of_every_rule_constant():
 
 
 def test_tiles_with_non_integer_fields_or_huge_offsets_are_checked_on_their_own():
-    from jalapeno_emu.emu.program import Tile
+    from jalapeno_emu.isa.program import Tile
     from jalapeno_emu.isa.table import Space
 
     kb = KernelBuilder("k", chip="tiny")
@@ -67,7 +67,7 @@ def test_integer_points_cover_the_rule_constants_and_field_bounds():
 
 
 def test_one_check_covers_every_core_but_core_mismatches_are_still_refused():
-    from jalapeno_emu.emu.program import Tile
+    from jalapeno_emu.isa.program import Tile
     from jalapeno_emu.isa.table import Space
 
     kb = KernelBuilder("k", chip="tiny")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from jalapeno_emu.emu.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.errors import AssemblyError, IllegalInstruction, InvalidArgumentError
 from jalapeno_emu.isa import TABLE, assemble, decode, decode_program, encode, encode_program
 from jalapeno_emu.isa.encoding import FORMAT_VERSION, MAGIC
+from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
 from tests.isa.forms import encodable_forms
 

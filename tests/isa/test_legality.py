@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from jalapeno_emu.emu.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.errors import IllegalInstruction
 from jalapeno_emu.isa import TABLE, by_mnemonic, check_instruction, check_program
 from jalapeno_emu.isa.legality import canonical, check_rule
+from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import InstrSpec, OperandSpec, Space
 from tests.isa.forms import engines_for, legal_form
 
@@ -187,7 +187,7 @@ def test_by_mnemonic_and_the_package_exports():
 
 
 def test_importing_program_first_does_not_cycle():
-    code = ("import jalapeno_emu.emu.program as p; import jalapeno_emu.isa as isa; "
+    code = ("import jalapeno_emu.isa.program as p; import jalapeno_emu.isa as isa; "
             "print(len(isa.assemble('c0.mxu: sem.signal 1').instructions))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr[-2000:]

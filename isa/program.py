@@ -1,0 +1,321 @@
+"""``Program``: a kernel recorded once, as static instruction streams per engine queue.
+
+Stage: ISA (installed as ``jalapeno_emu.isa.program``), below the emulator: the builder and the
+assembler produce a Program; the emulator's checker, functional pass and timing pass read the
+same one. It imports only the instruction table, so the ISA never imports the emulator
+(``jalapeno_emu.emu.program`` re-exports these names for existing scripts).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jalapeno_emu.errors import IllegalInstruction
+
+from .table import DTYPES, DType, InstrSpec, Space, by_mnemonic
+
+__all__ = [
+    "Allocation",
+    "Engine",
+    "HbmInit",
+    "Instruction",
+    "Program",
+    "Tile",
+    "parse_engine",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Engine:
+    """One in-order instruction queue.
+
+    Attributes:
+        core: core index (-1 for the chip-level link engine).
+        unit: "dma", "mxu", "vpu" or "link".
+        queue: DMA queue index (0 for other units).
+    """
+
+    core: int
+    unit: str
+    queue: int = 0
+
+    def __str__(self) -> str:
+        if self.unit == "link":
+            return "link"
+        return f"c{self.core}.{self.unit}{self.queue if self.unit == 'dma' else ''}"
+
+
+_ENGINE_RE = re.compile(r"^c(\d+)\.(?:(dma)(\d+)|(mxu)|(vpu))$")
+
+
+def parse_engine(text: str) -> Engine:
+    """Parse "c3.dma1", "c0.mxu", "c0.vpu" or "link" into an Engine.
+
+    Raises:
+        IllegalInstruction: the text is not an engine name.
+    """
+    if text == "link":
+        return Engine(-1, "link", 0)
+    m = _ENGINE_RE.match(text)
+    if not m:
+        raise IllegalInstruction(
+            f"{text!r} is not an engine; expected c<core>.dma<q>, c<core>.mxu, c<core>.vpu or link"
+        )
+    core = int(m.group(1))
+    if m.group(2):
+        return Engine(core, "dma", int(m.group(3)))
+    return Engine(core, m.group(4) or m.group(5), 0)
+
+
+_BITS: dict[str, int] = {name: d.bits for name, d in DTYPES.items()}
+_set = object.__setattr__  # frozen dataclasses assign their fields this way
+
+
+@dataclass(frozen=True, init=False)
+class Tile:
+    """A 2-D strided view of memory.
+
+    Attributes:
+        space: HBM, SRAM or ACC.
+        core: owning core for SRAM/ACC (0 for HBM).
+        offset: byte address of element [0, 0] (HBM: chip-global; SRAM/ACC: within the core).
+        dtype: a name from ``isa.table.DTYPES``.
+        rows, cols: shape in elements.
+        stride: bytes from one row to the next (defaults to the packed row size).
+
+    Raises:
+        IllegalInstruction: unknown dtype, non-positive shape, rows that are not whole bytes,
+            negative offset, or a stride smaller than a row.
+    """
+
+    space: Space
+    core: int
+    offset: int
+    dtype: str
+    rows: int
+    cols: int
+    stride: int = -1
+
+    def __init__(self, space: Space, core: int, offset: int, dtype: str, rows: int, cols: int,
+                 stride: int = -1) -> None:
+        # Written out rather than generated: kernels create tens of thousands of tiles, and the
+        # generated __init__ plus a __post_init__ reading the fields back cost twice as much.
+        bits = _BITS.get(dtype)
+        if bits is None:
+            raise IllegalInstruction(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        if rows <= 0 or cols <= 0:
+            raise IllegalInstruction(f"tile shape [{rows},{cols}] must be positive")
+        if (cols * bits) % 8:
+            raise IllegalInstruction(f"a {dtype} row of {cols} elements is not whole bytes")
+        row_bytes = cols * bits // 8
+        if stride < 0:
+            stride = row_bytes
+        if offset < 0:
+            raise IllegalInstruction(f"tile offset {offset} is negative")
+        if rows > 1 and stride < row_bytes:
+            raise IllegalInstruction(
+                f"row stride {stride} B is smaller than a row ({row_bytes} B): rows overlap"
+            )
+        _set(self, "space", space)
+        _set(self, "core", core)
+        _set(self, "offset", offset)
+        _set(self, "dtype", dtype)
+        _set(self, "rows", rows)
+        _set(self, "cols", cols)
+        _set(self, "stride", stride)
+
+    @property
+    def dt(self) -> DType:
+        """The DType row."""
+        return DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, cols)."""
+        return (self.rows, self.cols)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes in one row."""
+        return DTYPES[self.dtype].row_bytes(self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data (rows x row_bytes; gaps between rows excluded)."""
+        return self.rows * self.row_bytes
+
+    @property
+    def end(self) -> int:
+        """One past the last byte touched."""
+        return self.offset + (self.rows - 1) * self.stride + self.row_bytes
+
+    @property
+    def contiguous(self) -> bool:
+        """True when the rows are packed back to back."""
+        return self.rows == 1 or self.stride == self.row_bytes
+
+    def region(self) -> str:
+        """Readable address range, e.g. "sram[c0]:0x100..0x300"."""
+        where = "hbm" if self.space is Space.HBM else f"{self.space.value}[c{self.core}]"
+        return f"{where}:{self.offset:#x}..{self.end:#x}"
+
+    def sub(self, row: int, col: int, rows: int, cols: int) -> Tile:
+        """The [rows, cols] sub-tile starting at element [row, col] (same stride)."""
+        if row < 0 or col < 0 or row + rows > self.rows or col + cols > self.cols:
+            raise IllegalInstruction(
+                f"sub-tile [{row}:{row + rows}, {col}:{col + cols}] is outside [{self.rows},{self.cols}]"
+            )
+        bits = _BITS[self.dtype]
+        if (col * bits) % 8:
+            raise IllegalInstruction(f"column {col} of a {self.dtype} tile is not byte aligned")
+        stride = self.stride
+        return Tile(self.space, self.core, self.offset + row * stride + col * bits // 8,
+                    self.dtype, rows, cols, stride)
+
+    def __str__(self) -> str:
+        where = "hbm" if self.space is Space.HBM else f"{self.space.value}[{self.core}]"
+        text = f"{where}:{self.offset:#x}:{self.dtype}[{self.rows},{self.cols}]"
+        return text if self.contiguous else f"{text}/{self.stride}"
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One instruction, issued to one engine.
+
+    Attributes:
+        mnemonic: the table row's mnemonic.
+        engine: the queue it is issued to.
+        args: operand values by name (Tile, int, float, str for enums; None for absent tiles).
+        source: where it was built ("kernel.py:42") or assembled ("k.jasm:7"), or "".
+    """
+
+    mnemonic: str
+    engine: Engine
+    args: tuple[tuple[str, Any], ...]
+    source: str = ""
+
+    @property
+    def spec(self) -> InstrSpec:
+        """The instruction table row."""
+        row = by_mnemonic(self.mnemonic)
+        assert row is not None, self.mnemonic
+        return row
+
+    def arg(self, name: str) -> Any:
+        """The value of operand ``name``."""
+        for k, v in self.args:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """Operands as a dict."""
+        return dict(self.args)
+
+    def tiles(self) -> list[tuple[str, Tile, bool]]:
+        """(operand name, tile, writes) for every tile operand present."""
+        out = []
+        for op in self.spec.operands:
+            if op.kind == "tile":
+                t = self.arg(op.name)
+                if t is not None:
+                    out.append((op.name, t, op.writes))
+        return out
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A named region of memory.
+
+    Attributes:
+        name: unique within its space and core; ``region/name`` inside a builder region
+            (``KernelBuilder.region``), see ``scope``.
+        space: HBM, SRAM or ACC.
+        core: owning core for SRAM/ACC (0 for HBM).
+        offset: first byte.
+        nbytes: size in bytes.
+    """
+
+    name: str
+    space: Space
+    core: int
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        """One past the last byte."""
+        return self.offset + self.nbytes
+
+    @property
+    def scope(self) -> str:
+        """The region that made it: the part of ``name`` before its first ``/`` ("" if none).
+
+        A fused program reuses a core's scratchpad and accumulators from one operator to the
+        next, so allocations of two *different* regions may overlap (the checker's race
+        detector proves that the reuse is ordered); allocations of one region, or made
+        outside any region, never overlap.
+        """
+        head, sep, _ = self.name.partition("/")
+        return head if sep else ""
+
+
+@dataclass(frozen=True)
+class HbmInit:
+    """Initial contents of an HBM allocation, for programs that bring their own data (assembly).
+
+    Attributes:
+        name: the allocation.
+        kind: "zeros", "ones" or "normal" (seeded standard normal, as float32/bf16 per dtype).
+        dtype: element type to fill with.
+        seed: seed for "normal".
+    """
+
+    name: str
+    kind: str
+    dtype: str = "f32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Program:
+    """A recorded kernel.
+
+    Attributes:
+        name: the kernel's name.
+        instructions: every instruction, in the order it was issued (each engine runs its own
+            subsequence in order).
+        allocations: named HBM, SRAM and accumulator regions.
+        preset: the chip preset the program was built for.
+        semaphores: names of semaphore ids (id -> name), for messages and traces.
+        inits: initial HBM contents (used by ``run`` on assembly files).
+    """
+
+    name: str
+    instructions: tuple[Instruction, ...]
+    allocations: tuple[Allocation, ...] = ()
+    preset: str = "tiny"
+    semaphores: tuple[tuple[int, str], ...] = ()
+    inits: tuple[HbmInit, ...] = ()
+    meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def engines(self) -> list[Engine]:
+        """Engines with at least one instruction, sorted."""
+        return sorted({i.engine for i in self.instructions})
+
+    def streams(self) -> dict[Engine, list[int]]:
+        """Instruction indices per engine, in issue order."""
+        out: dict[Engine, list[int]] = {}
+        for idx, ins in enumerate(self.instructions):
+            out.setdefault(ins.engine, []).append(idx)
+        return out
+
+    def allocation(self, name: str, space: Space | None = None, core: int | None = None) -> Allocation:
+        """The allocation called ``name`` (optionally in ``space`` / on ``core``)."""
+        for a in self.allocations:
+            if a.name == name and (space is None or a.space is space) and (core is None or a.core == core):
+                return a
+        raise KeyError(name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,11 @@ class EngineHandle:
     """Issues instructions to one engine queue; its methods come from the instruction table."""
 
     def __init__(self, builder: KernelBuilder, engine: Engine) -> None:
-        self._kb = builder
+        # A weak reference back to the builder (and methods that do not capture the handle): the
+        # builder owns its handles, so a strong one would put the builder, and every instruction
+        # it recorded, in a reference cycle that only the cyclic collector frees, after walking
+        # them all (a tenth of a sweep's time); this way a dropped build is freed at once.
+        self._kb = weakref.proxy(builder)
         self.engine = engine
         self._rows = {s.mnemonic.split(".")[-1]: s for s in TABLE
                       if s.unit in (engine.unit, "any")}
@@ -141,6 +146,7 @@ class EngineHandle:
         # and kept in the instance, so later calls find it directly (kernels issue through the
         # same few methods tens of thousands of times).
         rows = self.__dict__.get("_rows", {})
+        engine = self.__dict__.get("engine")
         if name in rows:
             row = rows[name]
             layout = _LAYOUTS[row.mnemonic]
@@ -151,18 +157,18 @@ class EngineHandle:
                 source = _source_of_caller()
                 if k or len(a) != n_operands:
                     tail = None if k else pads.get(len(a))
-                    a = a + tail if tail is not None else _bind(self.engine, row, layout, a, k, source)
-                return layout.issue(kb, self.engine, a, source)
+                    a = a + tail if tail is not None else _bind(engine, row, layout, a, k, source)
+                return layout.issue(kb, engine, a, source)
         elif name in _UNARY_OPS and "unary" in rows:
             unary = _LAYOUTS[rows["unary"].mnemonic]
 
             def method(dst: Tile, src: Tile) -> Instruction:
-                return unary.issue(kb, self.engine, (name, dst, src), _source_of_caller())
+                return unary.issue(kb, engine, (name, dst, src), _source_of_caller())
         elif name in _BINARY_OPS and "binary" in rows:
             binary = _LAYOUTS[rows["binary"].mnemonic]
 
             def method(dst: Tile, a: Tile, b: Tile) -> Instruction:
-                return binary.issue(kb, self.engine, (name, dst, a, b), _source_of_caller())
+                return binary.issue(kb, engine, (name, dst, a, b), _source_of_caller())
         else:
             raise AttributeError(
                 f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
@@ -205,7 +211,8 @@ class Region:
     """
 
     def __init__(self, kb: KernelBuilder, name: str, arena: Any, fences: tuple[tuple[int, int], ...]) -> None:
-        self.kb, self.name, self.arena = kb, name, arena
+        # weak, like EngineHandle's: the builder keeps its regions
+        self.kb, self.name, self.arena = weakref.proxy(kb), name, arena
         self.fences: list[tuple[int, int]] = []
         self.engines: dict[Engine, None] = {}
         self.ranges: list[tuple[int, int]] = []

@@ -65,7 +65,6 @@ reads every expert whether or not a token chose it (at prefill sizes they all ar
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -190,23 +189,8 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None
     """
     check_shape(shape)
     budget = budget or Budget.of(spec)
-    try:
-        key = tuple(sorted(shape.items()))
-        hash(key)
-    except TypeError:  # an unhashable shape value: plan without the memo
-        return _plan(key, spec, budget)
-    return _plan_memo(key, spec, budget)
-
-
-def _plan(shape_items: tuple[tuple[str, Any], ...], spec: ChipSpec, budget: Budget) -> Plan:
-    shape = dict(shape_items)
     _, plan = first_fitting(_planners(shape, spec, budget), f"kernel moe on {spec.name}")
     return plan
-
-
-# A layer's MoE is planned several times (its tensors, its emission, each fused window); plans
-# are frozen and planning the slot program's candidates costs ~0.25 s, so keep the recent ones.
-_plan_memo = functools.lru_cache(maxsize=64)(_plan)
 
 
 def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:

@@ -99,7 +99,7 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
-from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
 
 __all__ = ["GatherItem", "GatherPlan", "emit_gather", "gather_reference", "gather_tensors", "plan_gather"]
 
@@ -256,6 +256,7 @@ def _block_sizes(t: int) -> list[int]:
     return sizes
 
 
+@memoised_planner
 def plan_gather(shape: dict[str, Any], spec: ChipSpec, budget: Budget) -> GatherPlan:
     """The gather layout for a checked ``shape`` within ``budget``: per token block size (largest
     first), the fitting split with the lowest estimate (``_estimate``); x's quantisation steps,

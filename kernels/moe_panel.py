@@ -82,7 +82,7 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
-from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner
 
 __all__ = ["PanelPlan", "emit_panel", "panel_reference", "panel_tensors", "plan_panel"]
 
@@ -258,6 +258,7 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
     return out_s * (1 + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
 
 
+@memoised_planner
 def plan_panel(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> PanelPlan:
     """The fitting split with the lowest estimate within ``budget``, for a checked shape with ``d``
     expert slots.

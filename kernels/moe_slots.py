@@ -95,7 +95,7 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
-from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
 
 __all__ = ["MAX_TOKENS", "SHARED_BLOCK", "MoePlan", "capacities", "emit_slots", "plan_slots", "slot_tensors"]
 
@@ -409,6 +409,7 @@ def _runs(n_items: int, cores: int) -> tuple[tuple[int, int], ...]:
     return tuple((b[c], b[c + 1]) for c in range(cores))
 
 
+@memoised_planner
 def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> MoePlan:
     """The slot program's split for a checked ``shape`` with ``d`` expert slots, within ``budget``.
 

@@ -18,19 +18,25 @@ with come from here, so that every kernel reads the same rule:
 - :class:`DoesNotFit` and :func:`first_fitting`: one error for "this shape does not fit", and
   the choice between a kernel's programs as an ordered list of planners, each run once; when
   none fits, the error gives every planner's reason.
+- :func:`memoised_planner`: a planner is a pure function of (shape, spec, budget, ...), and a
+  model step asks for the same plan many times (its tensors, its emission, each fused window,
+  each mapping of a sweep), so planners whose search is costly remember their recent answers,
+  "does not fit" included.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 
 __all__ = ["SRAM_SHARE", "Budget", "DoesNotFit", "core_hbm_bytes_per_s", "first_fitting",
-           "mxu_cycles_per_step", "mxu_macs_per_cycle", "mxu_rate_name"]
+           "memoised_planner", "mxu_cycles_per_step", "mxu_macs_per_cycle", "mxu_rate_name"]
 
 SRAM_SHARE = 0.95
 """Fraction of a core's scratchpad a kernel plans with (the rest holds its small constants)."""
@@ -91,6 +97,45 @@ def first_fitting(planners: Sequence[tuple[str, Callable[[], T]]], what: str) ->
         raise DoesNotFit(f"{what}: {reasons[0][1]}", reasons=tuple(reasons))
     listed = "; ".join(f"{name}: {why}" for name, why in reasons)
     raise DoesNotFit(f"{what}: no program fits ({listed})", reasons=tuple(reasons))
+
+
+_MEMO_ENTRIES = 256  # per planner; a sweep touches a few dozen distinct shapes
+
+
+def memoised_planner(planner: Callable[..., T]) -> Callable[..., T]:
+    """``planner(shape, spec, budget, *args)`` remembering its recent results by value.
+
+    The plan (a frozen dataclass) is shared between callers; a :class:`DoesNotFit` is remembered
+    too and raised again (the same exception, its traceback reset). A shape with an unhashable
+    value is planned without the memo. ``wrapper.cache_clear()`` forgets everything.
+    """
+    memo: OrderedDict[Any, tuple[bool, Any]] = OrderedDict()
+
+    @functools.wraps(planner)
+    def wrapper(shape: dict[str, Any], spec: ChipSpec, budget: Budget, *args: Any) -> T:
+        try:
+            key = (tuple(sorted(shape.items())), spec, budget, args)
+            hash(key)
+        except TypeError:
+            return planner(shape, spec, budget, *args)
+        hit = memo.get(key)
+        if hit is None:
+            try:
+                hit = (True, planner(shape, spec, budget, *args))
+            except DoesNotFit as exc:
+                hit = (False, exc)
+            memo[key] = hit
+            if len(memo) > _MEMO_ENTRIES:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(key)
+        ok, value = hit
+        if ok:
+            return value
+        raise value.with_traceback(None)
+
+    wrapper.cache_clear = memo.clear  # type: ignore[attr-defined]
+    return wrapper
 
 
 def core_hbm_bytes_per_s(spec: ChipSpec, cores: int) -> float:

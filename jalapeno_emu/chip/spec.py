@@ -505,6 +505,14 @@ class ChipSpec:
         provenance.update({key: OVERRIDE for key in overrides if key in FIELDS})
         return dataclasses.replace(self, **top, **blocks, provenance=provenance)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The read-only MappingProxyType of provenance cannot be pickled, and specs must cross
+        # process boundaries (sweeps and validation in process pools or on a Dask cluster): rebuild
+        # through the constructor from a plain dict, which also re-checks the invariants.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["provenance"] = dict(self.provenance)
+        return (functools.partial(ChipSpec, **fields), ())
+
     def __repr__(self) -> str:
         q = format_quantity
         return (f"ChipSpec({self.name!r}: {self.core.count} cores @ {q(self.core.clock_hz, 'Hz')}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,35 @@ class Abort(Exception):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return n
+
+
+def add_executor_options(p: argparse.ArgumentParser) -> None:
+    """``--workers N`` and ``--scheduler ADDRESS`` (one or the other): where a command's independent
+    tasks run (:func:`jalapeno_emu.parallel.executor`)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--workers",
+        type=_workers,
+        metavar="N",
+        help="local processes for the independent tasks (default: as many as there are CPUs and "
+        "tasks; 1, or a single task, runs in this process)",
+    )
+    group.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="run the tasks on a Dask cluster instead, e.g. tcp://host:8786 (not with --workers; needs "
+        "pip install 'jalapeno-emu[distributed]' here and jalapeno-emu on the cluster's workers)",
+    )
 
 
 @dataclass

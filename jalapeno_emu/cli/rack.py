@@ -3,7 +3,9 @@
 ``serve`` predicts one ISL/OSL/concurrency point (searching the best mapping unless one is given);
 ``sweep`` runs every concurrency with the mappings worth simulating there and prints the Pareto
 frontier (plot, CSV); ``compare`` puts presets side by side at matched concurrencies. Kernel
-timings are kept on disk between runs (``--no-cache`` to re-time everything).
+timings are kept on disk between runs (``--no-cache`` to re-time everything). ``sweep`` (one task
+per mapping) and ``compare`` (one per preset) run their tasks in local processes (``--workers``)
+or on a Dask cluster (``--scheduler``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from rich.table import Table
 
-from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.cli.app import Abort, App, add_executor_options
 
 _POWER_KINDS = ("package", "sustained", "all_in")
 _DEFAULT_CONCURRENCIES = "1,2,4,8,16,32,64,128,256,512,1024"
@@ -91,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--plot", help="write the plot here (PNG; an SVG is written beside it)")
     p.add_argument("--csv", help="write every point here")
+    add_executor_options(p)
     p.set_defaults(run=run_sweep)
 
     p = sub.add_parser("compare", help="presets side by side at matched concurrencies, with ratios")
@@ -113,6 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=_POWER_KINDS,
         help="power per chip for tok/s per kW (default all_in)",
     )
+    add_executor_options(p)
     p.set_defaults(run=run_compare)
 
 
@@ -235,6 +239,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     """Every concurrency with its shortlisted mappings; the Pareto frontier."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from jalapeno_emu.parallel import executor
     from jalapeno_emu.rack.deployment import sweep_mappings
     from jalapeno_emu.serving import pareto_front, plot_pareto, write_points_csv
 
@@ -248,7 +253,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
         transient=True,
         disable=app.json_output,
     )
-    with progress:
+    with executor(args.workers, args.scheduler) as ex, progress:
         task = progress.add_task("points", total=None)
         points, screened = sweep_mappings(
             args.model,
@@ -263,6 +268,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
             disk_cache=_cache(args),
             on_plan=lambda n: progress.update(task, total=n),
             on_point=lambda _p: progress.advance(task),
+            executor=ex,
         )
     front = pareto_front(points, y=args.y)
     rows = [dict(p.as_dict()) for p in points]
@@ -307,37 +313,30 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
 
 def run_compare(app: App, args: argparse.Namespace) -> int:
     """Presets side by side at the same concurrencies; a preset that cannot be modelled fails loudly."""
-    from jalapeno_emu.errors import EmuError
-    from jalapeno_emu.rack.deployment import predict
+    from jalapeno_emu.parallel import executor
+    from jalapeno_emu.rack.deployment import compare_presets
 
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if len(presets) < 2:
         raise Abort(f"--presets {args.presets!r} needs at least two presets")
     concs = _ints(args.concurrency, "--concurrency")
-    results: dict[str, list[dict[str, Any]]] = {}
-    errors: dict[str, str] = {}
-    for preset in presets:
-        try:
-            results[preset] = []
-            for c in concs:
-                app.status(f"{args.model} on {preset}, concurrency {c}")
-                results[preset].append(
-                    predict(
-                        args.model,
-                        _spec(args, preset),
-                        args.isl,
-                        args.osl,
-                        c,
-                        objective=args.objective,
-                        routing=args.routing,
-                        finalists=args.finalists,
-                        max_batch_tokens=args.max_batch_tokens,
-                        disk_cache=_cache(args),
-                    ).as_dict()
-                )
-        except EmuError as exc:
-            errors[preset] = str(exc)
-            results.pop(preset, None)
+    with executor(args.workers, args.scheduler) as ex:
+        app.status(f"{args.model} on {', '.join(presets)}, concurrency {', '.join(map(str, concs))}")
+        results, errors = compare_presets(
+            args.model,
+            presets,
+            args.isl,
+            args.osl,
+            concs,
+            objective=args.objective,
+            routing=args.routing,
+            finalists=args.finalists,
+            max_batch_tokens=args.max_batch_tokens,
+            disk_cache=_cache(args),
+            spec_overrides={"software.fusion": args.fusion} if args.fusion else None,
+            executor=ex,
+            on_preset=lambda preset, error: app.status(f"{preset}: " + ("failed" if error else "done")),
+        )
     ref = presets[0]
     rows = _compare_rows(results, ref, concs, args.power)
     if app.json_output:

@@ -3,7 +3,9 @@
 Predicts every row of the packaged calibration CSV (or ``--rows``), prints measured, predicted and
 error per metric and row with its class, the median absolute percentage error (MAPE), the
 calibrated timing knobs per GPU family and the leave-one-out MAPE (``--no-calibrate``: the presets'
-own values only). Nothing is written: calibrated values are printed (and in ``--json``) only.
+own values only). Nothing is written: calibrated values are printed (and in ``--json``) only. Rows
+are predicted in local processes (``--workers``) or on a Dask cluster (``--scheduler``), one task
+per row; the calibration runs here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from rich.table import Table
 
-from jalapeno_emu.cli.app import App
+from jalapeno_emu.cli.app import App, add_executor_options
 
 _SHORT = {"tok_s_user": "tok/s/user", "tput_per_gpu": "tok/s/GPU", "ttft_s": "TTFT s"}
 
@@ -25,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", help="CSV data rows to use, e.g. 1-12,17 (default: all)")
     p.add_argument("--no-calibrate", action="store_true", help="predict at the presets' own values only")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_executor_options(p)
     p.set_defaults(run=run_validate)
 
 
@@ -106,19 +109,21 @@ def run_validate(app: App, args: argparse.Namespace) -> int:
     """Predict, calibrate, report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from jalapeno_emu.parallel import executor
     from jalapeno_emu.validation.points import load_points
     from jalapeno_emu.validation.run import parse_rows, run_validation
 
     rows = parse_rows(args.rows, len(load_points())) if args.rows else None
     progress = Progress(TextColumn("validate {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=app.err_console, transient=True, disable=app.json_output)
-    with progress:
+    with executor(args.workers, args.scheduler) as ex, progress:
         task = progress.add_task("", total=None)
         doc = run_validation(
             rows,
             calibrate=not args.no_calibrate,
             on_plan=lambda n: progress.update(task, total=n),
             progress=lambda label: progress.update(task, advance=1, description=label),
+            executor=ex,
         )
     doc = _clean(doc)
     if app.json_output:

@@ -3,18 +3,22 @@
 Stage: rack, the entry points the CLI (``serve``, ``sweep``, ``compare``) and other tools (the
 InferenceX calibration) call. A point is the serving simulator (:func:`jalapeno_emu.serving.simulate`)
 driven by a :class:`~jalapeno_emu.rack.step_model.RackStepModel`; without a mapping, the best one
-for the objective is searched (:func:`jalapeno_emu.rack.search.best_mapping`).
+for the objective is searched (:func:`jalapeno_emu.rack.search.best_mapping`). Sweeps and
+comparisons run their independent tasks on any ``concurrent.futures.Executor``
+(:mod:`jalapeno_emu.parallel`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
-from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.parallel import ordered_map
 from jalapeno_emu.rack.mapping import Mapping, parse_mapping
 from jalapeno_emu.rack.routing import UNIFORM, Routing, parse_routing
 from jalapeno_emu.rack.search import (
@@ -30,7 +34,7 @@ from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import simulate
 from jalapeno_emu.serving.sweep import SweepPoint
 
-__all__ = ["Prediction", "predict", "rack_estimate", "sweep_mappings"]
+__all__ = ["Prediction", "compare_presets", "predict", "rack_estimate", "sweep_mappings"]
 
 
 @dataclass(frozen=True)
@@ -217,16 +221,22 @@ def sweep_mappings(
     disk_cache: bool = False,
     on_plan: Callable[[int], None] | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
+    executor: Executor | None = None,
 ) -> tuple[list[SweepPoint], int]:
     """Every concurrency, with the mappings worth simulating there.
 
     All candidate mappings are screened at every concurrency; for each concurrency the
     ``finalists`` best by interactivity and the ``finalists`` best by throughput per chip are
-    simulated (the union). Points are grouped by mapping so each step model's grid is filled once.
+    simulated (the union). Points are grouped by mapping so each step model's grid is filled once:
+    one task per mapping (building its step model's kernel timings dominates), its concurrencies
+    simulated within the task.
 
     Args:
         on_plan: called once with the number of points to simulate (for a progress bar).
-        on_point: called after each simulated point.
+        on_point: called after each simulated point (serial), or for each point of a mapping as
+            its task completes (with an executor); always in the calling thread.
+        executor: where the mappings' tasks run (:mod:`jalapeno_emu.parallel`); None: one after
+            the other in this process. The points are the same either way.
 
     Returns:
         (points, candidates screened); each point's ``series`` is the preset.
@@ -244,25 +254,148 @@ def sweep_mappings(
                     tasks[p.mapping].append(c)
     if on_plan is not None:
         on_plan(sum(len(v) for v in tasks.values()))
-    points = []
-    for mapping, concs in tasks.items():
-        model = step_model(
-            cfg,
-            spec,
-            mapping,
-            routing=routing,
-            max_batch_tokens=max_batch_tokens,
-            sequence_tokens=isl + osl,
-            disk_cache=disk_cache,
-        )
-        for c in sorted(concs):
-            metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w)
-            point = SweepPoint(mapping.name, spec.name, c, metrics)
-            points.append(point)
-            if on_point is not None:
+    # In this process the task reports each point as it is simulated; a task elsewhere cannot
+    # call back, so its points are reported here as it completes.
+    live = on_point if executor is None else None
+    args = [(cfg, spec, mapping, tuple(sorted(concs)), isl, osl, routing, max_batch_tokens, disk_cache, live)
+            for mapping, concs in tasks.items()]
+
+    def done(_i: int, pts: list[SweepPoint]) -> None:
+        if on_point is not None and live is None:
+            for point in pts:
                 on_point(point)
+
+    points = [p for pts in ordered_map(_mapping_points, args, executor=executor, on_result=done) for p in pts]
     points.sort(key=lambda p: (p.concurrency, p.mapping))
     return points, len(cands)
+
+
+def _mapping_points(
+    cfg: ModelConfig,
+    spec: ChipSpec,
+    mapping: Mapping,
+    concurrencies: tuple[int, ...],
+    isl: int,
+    osl: int,
+    routing: Routing,
+    max_batch_tokens: int,
+    disk_cache: bool,
+    on_point: Callable[[SweepPoint], None] | None,
+) -> list[SweepPoint]:
+    """One task of :func:`sweep_mappings`: the mapping's step model, simulated at each concurrency."""
+    model = step_model(
+        cfg,
+        spec,
+        mapping,
+        routing=routing,
+        max_batch_tokens=max_batch_tokens,
+        sequence_tokens=isl + osl,
+        disk_cache=disk_cache,
+    )
+    points = []
+    for c in concurrencies:
+        metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w)
+        points.append(SweepPoint(mapping.name, spec.name, c, metrics))
+        if on_point is not None:
+            on_point(points[-1])
+    return points
+
+
+def compare_presets(
+    cfg: ModelConfig | str,
+    presets: Sequence[ChipSpec | str],
+    isl: int,
+    osl: int,
+    concurrencies: Sequence[int],
+    *,
+    objective: str = "interactivity",
+    routing: Routing | str = UNIFORM,
+    finalists: int = 2,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    disk_cache: bool = False,
+    spec_overrides: dict[str, Any] | None = None,
+    executor: Executor | None = None,
+    on_preset: Callable[[str, str | None], None] | None = None,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """``cfg`` on each preset at each concurrency (:func:`predict`, the mapping searched for
+    ``objective``): the ``compare`` command's predictions, one task per preset.
+
+    A preset that cannot be modelled (any ``EmuError``: a kernel refusing its scratchpad, a model
+    that does not fit, a preset that does not load) is reported with its one-line message, not
+    raised, and its other concurrencies are not predicted.
+
+    Args:
+        cfg: a ModelConfig or a model name.
+        presets: ChipSpecs or preset names (or TOML paths); loaded here, so a cluster's workers
+            need not see the files.
+        spec_overrides: dotted field -> value set on every preset (:meth:`ChipSpec.replace`), e.g.
+            ``{"software.fusion": "layer"}``.
+        executor: where the presets' tasks run (:mod:`jalapeno_emu.parallel`); None: one after the
+            other in this process. The results are the same either way.
+        on_preset: called in the calling thread with (preset, error or None) as each preset's
+            predictions complete.
+        objective, routing, finalists, max_batch_tokens, disk_cache, isl, osl: as :func:`predict`.
+
+    Returns:
+        (results, errors): preset -> one :meth:`Prediction.as_dict` per concurrency, for the
+        presets that could be modelled; preset -> message for the others; both in the order of
+        ``presets``, keyed by the name given (a ChipSpec by its ``name``).
+    """
+    keys = [p if isinstance(p, str) else p.name for p in presets]
+    outcome: dict[int, tuple[list[dict[str, Any]], str | None]] = {}
+    slots: list[int] = []  # the preset of each task
+    args = []
+    model: ModelConfig | None = None
+    for i, preset in enumerate(presets):
+        # The order of the checks is predict's: the preset, then the model (then, in the task,
+        # the routing and the workload), so each preset reports the error a serial predict would.
+        try:
+            spec = load_preset(preset) if isinstance(preset, str) else preset
+            if spec_overrides:
+                spec = spec.replace(**spec_overrides)
+            model = model or (load_model_config(cfg) if isinstance(cfg, str) else cfg)
+        except EmuError as exc:
+            outcome[i] = ([], str(exc))
+            if on_preset is not None:
+                on_preset(keys[i], str(exc))
+            continue
+        kwargs = dict(objective=objective, routing=routing, finalists=finalists,
+                      max_batch_tokens=max_batch_tokens, disk_cache=disk_cache)
+        slots.append(i)
+        args.append((model, spec, isl, osl, tuple(concurrencies), kwargs))
+
+    def done(j: int, result: tuple[list[dict[str, Any]], str | None]) -> None:
+        if on_preset is not None:
+            on_preset(keys[slots[j]], result[1])
+
+    ran = ordered_map(_preset_predictions, args, executor=executor, on_result=done)
+    outcome.update(zip(slots, ran, strict=True))
+    results: dict[str, list[dict[str, Any]]] = {}
+    errors: dict[str, str] = {}
+    for i, key in enumerate(keys):
+        points, error = outcome[i]
+        if error is None:
+            results[key] = points
+        else:
+            results.pop(key, None)
+            errors[key] = error
+    return results, errors
+
+
+def _preset_predictions(
+    cfg: ModelConfig,
+    spec: ChipSpec,
+    isl: int,
+    osl: int,
+    concurrencies: tuple[int, ...],
+    kwargs: dict[str, Any],
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One task of :func:`compare_presets`: (one prediction per concurrency, None), or ([], the
+    message) at the first concurrency that raises an ``EmuError``."""
+    try:
+        return [predict(cfg, spec, isl, osl, c, **kwargs).as_dict() for c in concurrencies], None
+    except EmuError as exc:
+        return [], str(exc)
 
 
 def rack_estimate(

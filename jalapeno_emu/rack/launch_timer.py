@@ -18,7 +18,9 @@ naming the kernel and the preset. Batch keys: gemm ``m``; rmsnorm, embedding, lo
 a JSON-lines file under ``$JALAPENO_EMU_CACHE_DIR`` (default ``~/.cache/jalapeno-emu``) named by
 a hash of the chip spec and a hash of the source of every module that decides a Program or its
 timing (kernels, ISA, emulator, chip spec, MX numerics). Editing any of them starts a new file,
-so a cached figure is always what this code would compute.
+so a cached figure is always what this code would compute. Processes share the file: each line is
+appended whole, and a timer reads the file once, when it is made (figures another process adds
+later are timed again here).
 
 **Re-timing** (for calibration). A Program depends on a spec's structural fields only, so timers
 of specs that differ in timing fields alone can share builds: a timer's ``followers`` (timers of
@@ -301,11 +303,19 @@ class LaunchTimer:
     def _write_line(self, key: str, t: LaunchTime) -> None:
         if self._file is None:
             return
-        line = json.dumps({"key": key, **t.as_dict()}, separators=(",", ":")) + "\n"
+        line = (json.dumps({"key": key, **t.as_dict()}, separators=(",", ":")) + "\n").encode("utf-8")
         try:
             self._file.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._file, "a", encoding="utf-8") as fh:  # one short append per line
-                fh.write(line)
+            # The processes of a sweep append to the same file at once: one write() of the whole
+            # line on an O_APPEND descriptor lands whole after the others' lines (a buffered text
+            # file leaves how many writes a long line takes to its buffering).
+            fd = os.open(self._file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, line)
+            finally:
+                os.close(fd)
+            if written != len(line):  # a full disk: the torn line is skipped when read
+                raise OSError("short write")
         except OSError:
             self._file = None  # an unwritable cache directory only costs speed
 

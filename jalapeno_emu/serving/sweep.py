@@ -2,19 +2,20 @@
 
 Stage: serving. Points are independent simulations (docs/rack.md: run them in a process
 pool); ``workers=1`` runs them in this process, in order, which tests and 2-core CI use. A pool
-uses the ``spawn`` start method: forking a process that has JAX loaded is unsafe, so models must be
-picklable (module-level classes; the frozen dataclasses of :mod:`~jalapeno_emu.serving.synthetic` are).
+is :class:`jalapeno_emu.parallel.LocalPool` (the ``spawn`` start method: forking a process that has
+JAX loaded is unsafe), so models must be picklable (module-level classes; the frozen dataclasses of
+:mod:`~jalapeno_emu.serving.synthetic` are).
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.parallel import LocalPool, ordered_map
 from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import DEFAULT_RANGE_RATIO, simulate
 from jalapeno_emu.serving.step_model import StepTimeModel
@@ -92,20 +93,10 @@ def sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], *, isl:
     _check_sweep(models, concurrencies, workers)
     kwargs = dict(isl=isl, osl=osl, requests=requests, warmup_requests=warmup_requests, seed=seed,
                   range_ratio=range_ratio, power_w=None if power_w is None else dict(power_w))
-    tasks = [(model, int(c)) for model in models for c in concurrencies]
-    with _Progress(progress, len(tasks)) as bar:
-        if workers == 1:
-            points = []
-            for model, c in tasks:
-                points.append(_run_point(model, c, kwargs))
-                bar.advance()
-            return points
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
-            futures = [pool.submit(_run_point, model, c, kwargs) for model, c in tasks]
-            for future in futures:
-                future.add_done_callback(lambda _f: bar.advance())
-            return [f.result() for f in futures]
+    tasks = [(model, int(c), kwargs) for model in models for c in concurrencies]
+    with _Progress(progress, len(tasks)) as bar, contextlib.ExitStack() as stack:
+        pool = None if workers == 1 else stack.enter_context(LocalPool(min(workers, len(tasks))))
+        return ordered_map(_run_point, tasks, executor=pool, on_result=lambda _i, _p: bar.advance())
 
 
 class _Progress:

@@ -24,14 +24,17 @@ The presets' files are never changed: calibrated values are reported only.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Executor
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import EmuError, InvalidArgumentError
+from jalapeno_emu.parallel import ordered_map
 from jalapeno_emu.rack.deployment import predict
 from jalapeno_emu.rack.launch_timer import install_timer
 from jalapeno_emu.validation.calibrate import fit_setting, leave_one_out, mape, relative_errors
@@ -108,6 +111,60 @@ class _Group:
         return self.specs[setting]
 
 
+_GROUPS: dict[tuple[str, tuple[KnobSetting, ...]], _Group] = {}
+_GROUPS_LOCK = threading.Lock()  # threads of one executor share the process's groups
+
+
+def _group(preset: str, grid: tuple[KnobSetting, ...], fresh: bool) -> _Group:
+    """The process's group of ``preset`` on ``grid`` (built by the first row that needs it, so the
+    rows a process predicts share its timers as a serial run's rows do), or a new one."""
+    with _GROUPS_LOCK:
+        if fresh:
+            return _Group(preset, grid)
+        key = (preset, grid)
+        if key not in _GROUPS:
+            _GROUPS[key] = _Group(preset, grid)
+        return _GROUPS[key]
+
+
+class _RowResult(NamedTuple):
+    """What one row's task found: the mapping served, the metrics per setting (NaN where its
+    prediction failed), the one-line failure per setting (None where it succeeded) and the progress
+    label of each prediction attempted."""
+
+    mapping: str | None
+    values: np.ndarray
+    failures: list[str | None]
+    labels: list[str]
+
+
+def _predict_settings(plan: RowPlan, preset: str, grid: tuple[KnobSetting, ...],
+                      settings: tuple[KnobSetting, ...], mapping: str | None, fresh: bool,
+                      progress: Progress | None) -> _RowResult:
+    """One task of :func:`run_validation`: ``plan`` at each of ``settings`` in order (timers of
+    ``preset`` on ``grid``), the mapping found at the first kept at the others; a failure at the
+    first setting stops the row. ``progress`` is called after each prediction (in this process)."""
+    g = _group(preset, grid, fresh)
+    values = np.full((len(settings), len(_COLS)), np.nan)
+    failures: list[str | None] = [None] * len(settings)
+    labels: list[str] = []
+    for k, setting in enumerate(settings):
+        try:
+            # The mapping is searched at the preset's own knobs and kept at the other
+            # settings: a knob moves the times of a deployment, not which one is served
+            # (and a search per setting would multiply the cost by the grid's size).
+            mapping, values[k] = _predict_row(plan, g.spec_of(setting), mapping)
+        except Exception as exc:  # every failure becomes the row's reason
+            failures[k] = _one_line(exc)
+            if k == 0:
+                break
+        finally:
+            labels.append(f"row {plan.point.row} {preset} {setting.label}")
+            if progress is not None:
+                progress(labels[-1])
+    return _RowResult(mapping, values, failures, labels)
+
+
 def _identity(grid: Sequence[KnobSetting], spec: ChipSpec) -> int:
     for i, s in enumerate(grid):
         if knob_spec(spec, s) is spec:
@@ -122,13 +179,18 @@ def run_validation(
     calibrate: bool = True,
     progress: Progress | None = None,
     on_plan: Callable[[int], None] | None = None,
+    executor: Executor | None = None,
 ) -> dict[str, Any]:
     """Predict the selected rows (all when None), calibrate and report (see the module docstring).
 
     Args:
         rows: 1-based CSV rows; grid: the knob settings; calibrate: False predicts at the
-            presets' own values only; progress: called after each prediction with a label;
-            on_plan: called once with the number of predictions planned.
+            presets' own values only; progress: called after each prediction with a label (with
+            an executor, for each prediction of a row as the row's task completes; always in the
+            calling thread); on_plan: called once with the number of predictions planned.
+        executor: where the rows' predictions run, one task per row with all its knob settings
+            (:mod:`jalapeno_emu.parallel`); None: one after the other in this process.
+            Calibration runs here, on the gathered predictions.
 
     Returns:
         JSON-ready dict: ``rows`` (one record per selected row), ``summary`` (MAPE before and
@@ -151,32 +213,43 @@ def run_validation(
     for i, p in enumerate(plans):
         if p.cls != "not-predicted":
             groups.setdefault(p.preset or "", []).append(i)
+    with _GROUPS_LOCK:
+        _GROUPS.clear()  # a run builds its timers afresh, as it always has in this process
+    # A task in this process reports each prediction as it is made; one elsewhere cannot call
+    # back, so its labels are reported here as it completes.
+    live = progress if executor is None else None
+    slots: list[tuple[int, list[int]]] = []  # (row index, grid index of each setting) per task
+    tasks = []
     for preset, members in groups.items():
-        g = _Group(preset, grid if calibrate else grid[ids[preset]:ids[preset] + 1])
+        group_grid = tuple(grid if calibrate else grid[ids[preset]:ids[preset] + 1])
         for i in members:
             order = [ids[preset]] + ([s for s in range(len(grid)) if s != ids[preset]]
                                      if calibrate and cls[i] == "fit" else [])
-            for s in order:
-                try:
-                    # The mapping is searched at the preset's own knobs and kept at the other
-                    # settings: a knob moves the times of a deployment, not which one is served
-                    # (and a search per setting would multiply the cost by the grid's size).
-                    mappings[i], P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]), mappings[i])
-                except Exception as exc:  # every failure becomes the row's reason
-                    if s == ids[preset]:
-                        cls[i], reasons[i] = "not-predicted", [*reasons[i], _one_line(exc)]
-                        break
-                finally:
-                    progress and progress(f"row {plans[i].point.row} {preset} {grid[s].label}")
+            slots.append((i, order))
+            tasks.append((plans[i], preset, group_grid, tuple(grid[s] for s in order), None, False, live))
+
+    def replay(_j: int, result: _RowResult) -> None:
+        if progress is not None and live is None:
+            for label in result.labels:
+                progress(label)
+
+    ran = ordered_map(_predict_settings, tasks, executor=executor, on_result=replay)
+    for (i, order), r in zip(slots, ran, strict=True):
+        mappings[i] = r.mapping
+        P[order, i] = r.values
+        if r.failures[0] is not None:
+            cls[i], reasons[i] = "not-predicted", [*reasons[i], r.failures[0]]
     summary, calibrated = _summarise(plans, cls, P, measured, grid, ids, calibrate)
-    for i in _predicted_only(cls):
-        s = calibrated.get(FAMILIES[plans[i].preset or ""])
-        if s is not None and s != ids[plans[i].preset or ""]:
-            g = _Group(plans[i].preset or "", [grid[s]])
-            try:
-                _, P[s, i] = _predict_row(plans[i], g.spec_of(grid[s]), mappings[i])
-            except Exception as exc:  # reported with the row
-                reasons[i].append(f"at the calibrated knobs: {_one_line(exc)}")
+    # The predicted-only rows again at their family's calibrated knobs, each with timers of its own.
+    again = [(i, s) for i in _predicted_only(cls)
+             if (s := calibrated.get(FAMILIES[plans[i].preset or ""])) is not None
+             and s != ids[plans[i].preset or ""]]
+    tasks = [(plans[i], plans[i].preset or "", (grid[s],), (grid[s],), mappings[i], True, None)
+             for i, s in again]
+    for (i, s), r in zip(again, ordered_map(_predict_settings, tasks, executor=executor), strict=True):
+        P[s, i] = r.values[0]
+        if r.failures[0] is not None:  # reported with the row
+            reasons[i].append(f"at the calibrated knobs: {r.failures[0]}")
     summary["mape_predicted_only"] = _mape_block(
         _predicted_only(cls), P, measured, [ids.get(p.preset or "", 0) for p in plans],
         [calibrated.get(FAMILIES.get(p.preset or "", ""), -1) for p in plans])

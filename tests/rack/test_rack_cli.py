@@ -84,6 +84,8 @@ def test_sweep_writes_plot_svg_csv_and_the_frontier(capsys, tmp_path):
                 "--csv",
                 str(csv),
                 "--json",
+                "--workers",
+                "1",  # serial: process pools are tested once, in test_parallel_rack.py
             ]
         )
         == 0
@@ -108,6 +110,8 @@ def test_compare_reports_ratios_at_matched_concurrencies(capsys):
                 "--finalists",
                 "1",
                 "--json",
+                "--workers",
+                "1",
             ]
         )
         == 0
@@ -129,7 +133,8 @@ def test_compare_fails_loudly_for_a_preset_whose_kernels_refuse_the_model(capsys
         path.write_text(f'inherits = "{base}"\nname = "cramped-{base}"\n[sram]\n'
                         'scratchpad_bytes = { value = "4KiB", assumed = "too small for any tiling" }\n')
         paths.append(str(path))
-    args = ["compare", "--model", "gpt-oss-120b", "--presets", ",".join(paths), "--concurrency", "1"]
+    args = ["compare", "--model", "gpt-oss-120b", "--presets", ",".join(paths), "--concurrency", "1",
+            "--workers", "1"]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert re.search(r"cramped-gb300-nvl72.toml: kernel \S+ cannot run on cramped-gb300-nvl72", err), err

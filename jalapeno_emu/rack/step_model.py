@@ -379,7 +379,7 @@ class RackStepModel:
                 ),
             )
             self._moe_pieces: dict[int, tuple[float, bool]] = {}
-            self._moe_refused: int | None = None
+            self._moe_refused: set[int] = set()  # batches the kernel refused (not monotone in tokens)
 
     def _figures(self, launches: Sequence[Any], layer: int | None = None,
                  step: Step | None = None) -> np.ndarray:
@@ -444,7 +444,7 @@ class RackStepModel:
         v = self._moe_pieces.get(tokens)
         if v is not None:
             return v
-        if self._moe_refused is not None and tokens >= self._moe_refused:
+        if tokens in self._moe_refused:
             return None
         launch = self._moe_launch(tokens)
         try:
@@ -456,7 +456,7 @@ class RackStepModel:
                 raise InvalidArgumentError(
                     f"kernel moe cannot run on {self.spec.name}: {exc.message}", hint=exc.hint
                 ) from None
-            self._moe_refused = tokens
+            self._moe_refused.add(tokens)
             return None
         v = self._moe_pieces[tokens] = (t, launch.shape_dict["distinct_experts"] > 0)
         return v
@@ -486,7 +486,10 @@ class RackStepModel:
             if top == lo:
                 return pieces * p_top[0]
             p_lo = self._moe_point(lo)
-            assert p_lo is not None
+            if p_lo is None:
+                # The kernel takes the larger batch but refuses the smaller one (a program choice
+                # that is not monotone in tokens): x tokens run as the larger batch.
+                return pieces * p_top[0]
             weight = w
             if p_lo[1] and not p_top[1]:
                 weight = 1.0  # slots below, the gathering program above: x runs the latter

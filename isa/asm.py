@@ -40,6 +40,11 @@ way and leaves out those equal to their default). Operand values:
 - fimm: any Python float literal (``7``, ``-7.0``, ``1e-6``, ``inf``).
 - enum: one of the row's choices, unquoted.
 
+Every integer must fit the field the binary format stores it in (``isa/encoding.py``): u32 for
+tile cores, rows, columns and semaphore ids, i32 for allocation cores, u64 for offsets, strides
+and sizes, i64 for imm operands and ``.init`` seeds; a larger one is an ``AssemblyError`` at its
+column that names the field and its range.
+
 An MX matmul names its scale tiles (and its mode) as keywords; the statement stays on one line
 (wrapped here): ``c0.mxu: mxu.matmul acc[0]:0x0:f32[32,64], sram[0]:0x0:fp4[32,64],
 sram[0]:0x400:fp4[64,64], a_scale=sram[0]:0x800:e8m0[32,2], b_scale=sram[0]:0x880:e8m0[2,64],
@@ -52,7 +57,8 @@ it is written as; the functional pass (``jalapeno_emu.emu.functional``) defines 
 
 Every error is an ``AssemblyError`` with the file, line and 1-based column of the offending token,
 and a hint where one helps. Legality failures (see ``isa/legality.py``) point at the operand at
-fault, or at the instruction. Each assembled instruction's ``source`` is ``"FILE:LINE"``.
+fault, or at the instruction. Each assembled instruction's ``source`` is ``"FILE:LINE"`` (for
+messages; ``jalapeno-emu asm`` leaves sources out of the binary, see ``isa/encoding.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from typing import Any
 from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction
 from jalapeno_emu.isa.program import Allocation, HbmInit, Instruction, Program, Tile, parse_engine
 
-from .legality import check_instruction, operand_values
+from .legality import check_engine, check_instruction, operand_values
 from .table import DTYPES, TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
 
 __all__ = ["INIT_KINDS", "assemble", "disassemble", "format_instruction", "format_tile"]
@@ -106,11 +112,23 @@ class _Asm:
         return AssemblyError(message, line=line, column=col, source=self.source, hint=hint)
 
     # --- scalar fields ------------------------------------------------------------------------
-    def integer(self, tok: _Tok, line: int, what: str, *, signed: bool = False) -> int:
+    def integer(self, tok: _Tok, line: int, what: str, *, signed: bool = False, field: str = "u64") -> int:
+        """``tok`` as an integer that fits ``field``, the binary format's field that stores it
+        (``"u32"``, ``"u64"``, ``"i32"``, ``"i64"``; see ``isa/encoding.py``)."""
         if not _INT_RE.fullmatch(tok.text) or (not signed and tok.text[0] in "+-"):
             kind = "an integer" if signed else "a non-negative integer"
-            raise self.error(f"{what} must be {kind} (decimal or 0x hex), got {tok.text!r}", line, tok.col)
-        return _int0(tok.text)
+            raise self.error(f"{what} must be {kind} (decimal or 0x hex), got {_clip(tok.text)!r}", line,
+                             tok.col)
+        lo, hi = _BINARY_INTS[field]
+        body = tok.text.lstrip("+-")
+        is_hex = body[:2].lower() == "0x"
+        significant = (body[2:] if is_hex else body).lstrip("0")
+        # Judge the size on the text first: int() refuses more than 4,300 decimal digits (with a
+        # bare ValueError), and no field holds more than 20 decimal or 16 hex digits anyway.
+        if len(significant) > (16 if is_hex else 20) or not lo <= (value := _int0(tok.text)) <= hi:
+            raise self.error(f"{what} {_clip(tok.text)} does not fit in {field[1:]} bits: the binary "
+                             f"format stores it as {field} ({lo}..{hi})", line, tok.col)
+        return value
 
     def name(self, tok: _Tok, line: int, what: str) -> str:
         if tok.text.startswith('"'):
@@ -126,7 +144,7 @@ class _Asm:
                              hint='names are [A-Za-z_][A-Za-z0-9_.-]*, or a "quoted string"')
         return tok.text
 
-    def space(self, tok: _Tok, line: int) -> tuple[Space, int]:
+    def space(self, tok: _Tok, line: int, core_field: str = "u32") -> tuple[Space, int]:
         m = _SPACE_RE.fullmatch(tok.text)
         spaces = {s.value: s for s in Space}
         if not m or m.group("space") not in spaces:
@@ -143,7 +161,8 @@ class _Asm:
             return space, 0
         if core_text is None:
             raise self.error(f"{space.value} is per core: write {space.value}[CORE]", line, tok.col)
-        core = self.integer(_Tok(core_text, tok.col + m.start("core")), line, f"{space.value} core")
+        core = self.integer(_Tok(core_text, tok.col + m.start("core")), line, f"{space.value} core",
+                            field=core_field)
         return space, core
 
     # --- operand values -----------------------------------------------------------------------
@@ -163,8 +182,8 @@ class _Asm:
             close = difflib.get_close_matches(dt.text, list(DTYPES), n=1)
             raise self.error(f"unknown dtype {dt.text!r} in {what}", line, dt.col,
                              hint=f"did you mean {close[0]}?" if close else f"dtypes: {', '.join(DTYPES)}")
-        rows = self.integer(sub("rows"), line, f"{what} rows")
-        cols = self.integer(sub("cols"), line, f"{what} cols")
+        rows = self.integer(sub("rows"), line, f"{what} rows", field="u32")
+        cols = self.integer(sub("cols"), line, f"{what} cols", field="u32")
         stride = self.integer(sub("stride"), line, f"{what} stride") if m.group("stride") is not None else -1
         try:
             return Tile(space, core, offset, dt.text, rows, cols, stride)
@@ -177,7 +196,7 @@ class _Asm:
         if op.kind == "tile":
             return self.tile(tok, line, what)
         if op.kind == "imm":
-            return self.integer(tok, line, what, signed=True)
+            return self.integer(tok, line, what, signed=True, field="i64")
         if op.kind == "fimm":
             try:
                 if any(c.isspace() for c in tok.text) or "_" in tok.text:
@@ -203,8 +222,19 @@ class _Asm:
                     raise self.error(f"semaphore name {tok.text!r} names more than one id; write the id",
                                      line, tok.col)
                 return sem_id
-            return self.integer(tok, line, what)
+            return self.integer(tok, line, what, field="u32")
         raise AssertionError(op.kind)  # pragma: no cover - legality rejects unknown kinds first
+
+
+_BINARY_INTS: dict[str, tuple[int, int]] = {
+    "u32": (0, 2**32 - 1), "u64": (0, 2**64 - 1), "i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1),
+}
+"""Integer fields of the binary format (``isa/encoding.py``) by struct code: (least, greatest)."""
+
+
+def _clip(text: str, keep: int = 24) -> str:
+    """``text`` for a message: a token thousands of characters long would swamp the line."""
+    return text if len(text) <= keep else f"{text[:keep - 8]}...{text[-4:]} ({len(text):,} characters)"
 
 
 def _int0(text: str) -> int:
@@ -329,13 +359,10 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
             else:
                 preset = value
         elif head.text == ".alloc":
-            space, core = asm.space(args[0], lineno)
+            space, core = asm.space(args[0], lineno, core_field="i32")
             a_name = asm.name(args[1], lineno, "allocation name")
             offset = asm.integer(args[2], lineno, "allocation offset")
             size = asm.integer(args[3], lineno, "allocation size")
-            for tok, value in ((args[2], offset), (args[3], size)):
-                if value > 2**64 - 1:  # the binary format's field width
-                    raise asm.error(f"{value} does not fit in 64 bits", lineno, tok.col)
             key = (a_name, space, core)
             if key in alloc_keys:
                 raise asm.error(f"duplicate allocation name {a_name!r} in {args[0].text}", lineno,
@@ -343,9 +370,7 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
             alloc_keys[key] = lineno
             allocations.append(Allocation(a_name, space, core, offset, size))
         elif head.text == ".sem":
-            sem_id = asm.integer(args[0], lineno, "semaphore id")
-            if sem_id > 2**32 - 1:
-                raise asm.error(f"semaphore id {sem_id} does not fit in 32 bits", lineno, args[0].col)
+            sem_id = asm.integer(args[0], lineno, "semaphore id", field="u32")
             s_name = asm.name(args[1], lineno, "semaphore name")
             if sem_id in sem_lines:
                 raise asm.error(f"semaphore {sem_id} is already named on line {sem_lines[sem_id]}", lineno,
@@ -362,9 +387,7 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
                 close = difflib.get_close_matches(args[2].text, list(DTYPES), n=1)
                 raise asm.error(f"unknown dtype {args[2].text!r}", lineno, args[2].col,
                                 hint=f"did you mean {close[0]}?" if close else f"dtypes: {', '.join(DTYPES)}")
-            seed = asm.integer(args[3], lineno, "seed", signed=True) if len(args) > 3 else 0
-            if not -(2**63) <= seed < 2**63:
-                raise asm.error(f"seed {seed} does not fit in 64 bits", lineno, args[3].col)
+            seed = asm.integer(args[3], lineno, "seed", signed=True, field="i64") if len(args) > 3 else 0
             init_lines.append((lineno, args[0], HbmInit(i_name, args[1].text, args[2].text, seed)))
 
     hbm_names = {a.name for a in allocations if a.space is Space.HBM}
@@ -411,9 +434,13 @@ def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | Non
     engine_text = m.group(1)
     try:
         engine = parse_engine(engine_text)
-    except IllegalInstruction:
-        raise asm.error(f"unknown engine {engine_text!r}", lineno, m.start(1) + 1,
-                        hint="engines are c<core>.dma<queue>, c<core>.mxu, c<core>.vpu and link") from None
+        bad_engine = check_engine(engine)
+    except IllegalInstruction as exc:
+        # The engine's form is right but a number is too long to parse: say so, else "unknown".
+        bad_engine = exc.message if "digits" in exc.message else f"unknown engine {_clip(engine_text)!r}"
+    if bad_engine:
+        raise asm.error(bad_engine, lineno, m.start(1) + 1,
+                        hint="engines are c<core>.dma<queue>, c<core>.mxu, c<core>.vpu and link")
     rest = code[m.end():]
     mm = re.match(r"\s*(\S+)", rest)
     if not mm:

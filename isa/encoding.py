@@ -32,8 +32,17 @@ operands  in table order:
                 space u8 (hbm 1, sram 2, acc 3), core u32, offset u64, dtype u8 (the
                 table's DType.code), rows u32, cols u32, stride u64 (bytes)
           imm   i64         fimm  f64         enum  u8 index into choices         sem  u32
-source    str       where it was built or assembled
+source    str       where it was built or assembled ("k.py:42"), or empty
 ```
+
+Sources are the only part of an encoding that says where a program came from rather than what it
+is, and ``jalapeno-emu asm`` writes them empty (``encode_program(..., sources=False)``): a
+binary then depends on the program alone, so one file assembled from any folder gives the same
+bytes, and ``asm`` -> ``disasm`` -> ``asm`` gives back the same bytes (a disassembly's line
+numbers differ from the original's). The kernel name is kept; without ``.kernel`` it is the
+file's stem, the one part of the file name that matters. Errors from running a binary name
+instructions by index (``instruction #5 on c0.vpu``), the position in the ``disasm`` listing;
+run the ``.jasm`` for file and line.
 
 Optional imm/enum operands are always written (with their value, default or not), so the decoder
 returns instructions in canonical form: every operand present, in table order (see
@@ -46,6 +55,7 @@ instruction) raises ``AssemblyError`` naming the byte offset; the offset is also
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -120,8 +130,13 @@ def encode(ins: Instruction) -> bytes:
     return b"".join(out)
 
 
-def encode_program(program: Program) -> bytes:
+def encode_program(program: Program, *, sources: bool = True) -> bytes:
     """Encode a whole Program: header, allocations, semaphore names, inits, instructions.
+
+    Args:
+        program: the program.
+        sources: keep each instruction's ``source``; False writes them empty, so the bytes do not
+            depend on where the text was assembled (what ``jalapeno-emu asm`` does).
 
     Raises:
         IllegalInstruction: an instruction cannot be represented (its index is in the message).
@@ -146,7 +161,7 @@ def encode_program(program: Program) -> bytes:
     out.append(_U32.pack(len(program.instructions)))
     for index, ins in enumerate(program.instructions):
         try:
-            out.append(encode(ins))
+            out.append(encode(ins if sources or not ins.source else dataclasses.replace(ins, source="")))
         except IllegalInstruction as exc:
             raise IllegalInstruction(getattr(exc, "reason", exc.message), index=index, engine=exc.engine,
                                      source=exc.source, hint=exc.hint) from None

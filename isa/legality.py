@@ -271,9 +271,9 @@ def check_engine(engine: Engine) -> str | None:
                     f"(got {engine.core}, {engine.queue})")
         return None
     if not isinstance(engine.core, int) or not 0 <= engine.core <= _I32_MAX:
-        return f"engine core {engine.core!r} must be a non-negative integer"
+        return f"engine core {engine.core!r} must be a non-negative integer (at most {_I32_MAX})"
     if not isinstance(engine.queue, int) or not 0 <= engine.queue <= _U32_MAX:
-        return f"engine queue {engine.queue!r} must be a non-negative integer"
+        return f"engine queue {engine.queue!r} must be a non-negative integer (at most {_U32_MAX})"
     if engine.unit != "dma" and engine.queue != 0:
         return f"only DMA engines have queues; {engine.unit} queue must be 0 (got {engine.queue})"
     return None

@@ -63,6 +63,13 @@ def parse_engine(text: str) -> Engine:
         raise IllegalInstruction(
             f"{text!r} is not an engine; expected c<core>.dma<q>, c<core>.mxu, c<core>.vpu or link"
         )
+    for number in (m.group(1), m.group(3) or "0"):
+        # int() refuses more than 4,300 digits with a bare ValueError; no core or queue index has
+        # more than 10 (the binary format stores them in 32 bits).
+        if len(number.lstrip("0")) > 10:
+            shown = repr(text) if len(text) <= 24 else f"{text[:16]!r}..."
+            raise IllegalInstruction(f"engine {shown} has a core or queue number of "
+                                     f"{len(number):,} digits (at most 10: they are 32-bit fields)")
     core = int(m.group(1))
     if m.group(2):
         return Engine(core, "dma", int(m.group(3)))

@@ -23,6 +23,7 @@ from jalapeno_emu.chip.spec import DerivedQuantity as DerivedQuantity
 from jalapeno_emu.chip.spec import DmaSpec as DmaSpec
 from jalapeno_emu.chip.spec import FieldInfo as FieldInfo
 from jalapeno_emu.chip.spec import HbmSpec as HbmSpec
+from jalapeno_emu.chip.spec import Limit as Limit
 from jalapeno_emu.chip.spec import LinkSpec as LinkSpec
 from jalapeno_emu.chip.spec import MatrixUnitSpec as MatrixUnitSpec
 from jalapeno_emu.chip.spec import PowerSpec as PowerSpec
@@ -45,6 +46,7 @@ __all__ = [
     "DmaSpec",
     "FieldInfo",
     "HbmSpec",
+    "Limit",
     "LinkSpec",
     "MatrixUnitSpec",
     "PowerSpec",

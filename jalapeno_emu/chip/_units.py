@@ -7,10 +7,11 @@ unit, and :func:`format_quantity` prints a value with three significant digits a
 
 from __future__ import annotations
 
+import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Overflow
 
-__all__ = ["format_quantity", "parse_quantity", "unit_suffixes"]
+__all__ = ["format_quantity", "parse_quantity", "short_repr", "unit_suffixes"]
 
 # Suffixes each unit accepts, with their scale. Bytes use binary prefixes (KiB...) and decimal ones
 # (kB...) both, spelled out, so "8MiB" and "8MB" cannot be confused; bandwidths are decimal.
@@ -54,7 +55,8 @@ def parse_quantity(text: str, unit: str, *, what: str = "value") -> float:
         The value in base units (``"36GiB"`` -> 38654705664.0), correctly rounded.
 
     Raises:
-        ValueError: with a sentence naming the accepted suffixes, if `text` is not such a number.
+        ValueError: with a sentence naming the accepted suffixes, if `text` is not such a number,
+            or saying that it is too large to be a finite float (``"1e1000000"``).
 
     >>> parse_quantity("1.6GHz", "Hz"), parse_quantity("36GiB", "B"), parse_quantity("500ns", "s")
     (1600000000.0, 38654705664.0, 5e-07)
@@ -62,18 +64,38 @@ def parse_quantity(text: str, unit: str, *, what: str = "value") -> float:
     match = _QUANTITY.match(text)
     suffixes = unit_suffixes(unit)
     expected = "a number" + (f" with an optional suffix ({', '.join(suffixes)})" if suffixes else "")
-    problem = f"{what} expects {expected}, found {text!r}"
+    shown = text if len(text) <= 40 else f"{text[:32]}...{text[-4:]}"  # one readable line
+    problem = f"{what} expects {expected}, found {shown!r}"
     if match is None:
         raise ValueError(problem)
     number, suffix = match.groups()
     if suffix and suffix not in suffixes:
         raise ValueError(problem)
-    try:
-        value = Decimal(number.replace("_", ""))
-    except InvalidOperation:
-        raise ValueError(problem) from None
     scale = _SCALES.get(unit, {}).get(suffix, Decimal(1)) if suffix else Decimal(1)
-    return float(value * scale)
+    try:
+        value = float(Decimal(number.replace("_", "")) * scale)
+    except InvalidOperation:  # not a number: "1.2.3"
+        raise ValueError(problem) from None
+    except Overflow:  # an exponent past the decimal context's: "1e1000000"
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"{what} is too large: {shown!r} is beyond any finite number")
+    return value
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` for a message, except that an integer too long to read is given by its size
+    (Python refuses to print one of more than 4,300 digits at all).
+
+    >>> short_repr(1.5), short_repr(2**64), short_repr(10**5000)
+    ('1.5', '18446744073709551616', 'an integer of 5,001 digits')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 72:
+        # floor(bits x log10 2) is the digit count or one less; one comparison settles which.
+        digits = int(value.bit_length() * math.log10(2))
+        digits += abs(value) >= 10**digits
+        return f"an integer of {digits:,} digits"
+    return repr(value)
 
 
 def _sig3(x: float) -> str:

@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from jalapeno_emu.chip._units import parse_quantity
+from jalapeno_emu.chip._units import parse_quantity, short_repr
 from jalapeno_emu.chip.spec import BLOCKS, FIELDS, ChipSpec, Provenance, unknown_field_message
 from jalapeno_emu.errors import ConfigError
 
@@ -68,6 +68,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
+    except ValueError as exc:  # tomllib's int() refuses an integer of more than 4,300 digits
+        raise ConfigError(f"{path}: unreadable TOML value: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the preset: {exc.strerror or exc}") from None
 
@@ -119,7 +121,10 @@ def parse_field_value(path: str, raw: Any) -> Any:
                 raise ConfigError(f"{path} expects a whole number{unit_note}, found {raw!r}")
             value = int(value)
         return value
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past the largest float
+        raise ConfigError(f"{path} expects a finite number{unit_note}, found {short_repr(value)}") from None
 
 
 def _leaves_of(data: dict[str, Any], path: Path) -> dict[str, tuple[Any, Provenance]]:

@@ -5,8 +5,11 @@ engines, the memory map, the timing pass and the rack model read their hardware 
 it and from nowhere else. Units are in the field names (``clock_hz``, ``latency_s``,
 ``bytes_per_s_per_core``). Each field also declares its unit, a one-line description and the
 check it must pass, so validation, parsing of ``"36GiB"``-style values and the CLI tables all read
-one declaration. Every leaf carries a :class:`Provenance`: public (with its source), assumed (with
-a reason) or derived (computed from public figures).
+one declaration. Every numeric field also has a :class:`Limit` (the ``_LIMITS`` table: the
+largest value, and for rates the smallest, each with its reason), so no value passes validation
+that a cost model cannot price, a host cannot emulate or JSON cannot print. Every leaf carries a
+:class:`Provenance`: public (with its source), assumed (with a reason) or derived (computed from
+public figures).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
-from jalapeno_emu.chip._units import format_quantity
+from jalapeno_emu.chip._units import format_quantity, short_repr
 from jalapeno_emu.errors import ConfigError
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "DmaSpec",
     "FieldInfo",
     "HbmSpec",
+    "Limit",
     "LinkSpec",
     "MatrixUnitSpec",
     "PowerSpec",
@@ -90,6 +94,108 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+@dataclass(frozen=True)
+class Limit:
+    """The range a numeric field must stay in beyond its check, with the reason for the bound.
+
+    Attributes:
+        maximum: the largest value allowed.
+        why: one line: why nothing larger makes sense here.
+        minimum: the smallest value allowed, for fields that times or totals divide by (a rate, an
+            efficiency): a positive float as small as 1e-300 would make them overflow to infinity.
+    """
+
+    maximum: int | float
+    why: str
+    minimum: int | float | None = None
+
+    def check(self, path: str, value: int | float, unit: str) -> None:
+        """Raise ConfigError naming ``path``, the bound and its reason if ``value`` is outside."""
+        if value > self.maximum:
+            raise ConfigError(f"{path} must be <= {_number(self.maximum, unit)} ({self.why}), "
+                              f"found {short_repr(value)}")
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{path} must be >= {_number(self.minimum, unit)} (times and totals divide "
+                              f"by it), found {short_repr(value)}")
+
+
+def _number(value: int | float, unit: str) -> str:
+    text = f"{value:,}" if isinstance(value, int) else f"{value:g}"
+    return f"{text} {unit}" if unit else text
+
+
+# The limits of every numeric field (the fraction and enum checks bound the rest). Each is far
+# above every preset and every real part, and small enough that a 2-core host builds, checks and
+# times a kernel in bounded time and memory, that addresses stay inside the binary format's 64-bit
+# fields, and that every derived total and every time stays a finite float (JSON has no Infinity).
+_CYCLES = Limit(10**6, "a million cycles, ~0.6 ms at 1.6 GHz: 500x the slowest issue, pipeline or sync "
+                "cost of any preset")
+_LATENCY = Limit(1e-3, "a millisecond: 500x the slowest hardware or launch latency of any preset")
+_BYTES = Limit(2**50, "1 PiB: more than any package holds; keeps addresses well inside 64 bits")
+_TILE = Limit(4096, "a tile step's operands live in one scratchpad; 16x the largest systolic array")
+_MACS = Limit(2**24, "a 4096 x 4096 array per core: 256x the largest preset's rate")
+_LANES = Limit(2**16, "65,536 elements per cycle: 128x the widest preset's vector unit")
+_PORTS = Limit(1024, "more than any switch radix (NVLink 5 has 18 ports per GPU)")
+_POWER = Limit(1e5, "100 kW: 4x a whole wafer-scale system", minimum=1.0)
+_FRACTION = Limit(1.0, "a fraction of peak", minimum=1e-3)
+
+
+def _rate(maximum: float, why: str) -> Limit:
+    return Limit(maximum, why, minimum=1.0)
+
+
+_LIMITS: Mapping[str, Limit] = MappingProxyType({
+    "core.count": Limit(4096, "each core is an instruction stream the emulator builds and schedules; "
+                              "13x the largest preset (304)"),
+    "core.clock_hz": _rate(100e9, "100 GHz: no clocked logic runs this fast"),
+    "matrix.tile_m": _TILE,
+    "matrix.tile_n": _TILE,
+    "matrix.tile_k": _TILE,
+    "matrix.mxfp4_macs_per_cycle": _MACS,
+    "matrix.mxfp8_macs_per_cycle": _MACS,
+    "matrix.bf16_macs_per_cycle": _MACS,
+    "matrix.pipeline_depth_cycles": _CYCLES,
+    "matrix.issue_overhead_cycles": _CYCLES,
+    "vector.lanes": _LANES,
+    "vector.transcendental_elements_per_cycle": _LANES,
+    "vector.issue_overhead_cycles": _CYCLES,
+    "sram.scratchpad_bytes": _BYTES,
+    "sram.accumulator_bytes": _BYTES,
+    "sram.bytes_per_cycle": Limit(2**20, "a 1 MiB-wide port: 2048x the widest preset"),
+    "dma.queues_per_core": Limit(256, "each queue is an engine stream the emulator schedules; 64x the "
+                                      "presets"),
+    "dma.bytes_per_s_per_core": _rate(1e15, "1 PB/s: 2000x the fastest core's DMA in any preset"),
+    "dma.setup_latency_s": _LATENCY,
+    "dma.max_outstanding_per_queue": Limit(4096, "descriptors the timing pass tracks in flight; 256x "
+                                                 "the presets"),
+    "hbm.stacks": Limit(64, "the largest packages carry 8 to 12 stacks"),
+    "hbm.channels_per_stack": Limit(128, "HBM4 has 32 channels per stack; the timing pass keeps an array "
+                                         "per pseudo-channel"),
+    "hbm.pseudo_channels_per_channel": Limit(8, "HBM has 2 per channel"),
+    "hbm.interleave_bytes": Limit(2**30, "a 1 GiB granule would not interleave at all"),
+    "hbm.bytes_per_s_per_pseudo_channel": _rate(1e13, "10 TB/s per pseudo-channel: 250x HBM4"),
+    "hbm.efficiency": _FRACTION,
+    "hbm.latency_s": _LATENCY,
+    "hbm.capacity_bytes_per_stack": _BYTES,
+    "link.ports": _PORTS,
+    "link.bytes_per_s_per_direction": _rate(1e14, "100 TB/s per port: 1000x NVLink 5"),
+    "link.latency_s": _LATENCY,
+    "link.switch_latency_s": _LATENCY,
+    "link.domain_chips": Limit(4096, "7x the largest announced scale-up domain (576 GPUs)"),
+    "link.switch_hops": Limit(16, "a 16-stage network is no scale-up fabric"),
+    "link.stripe_ports": _PORTS,
+    "link.message_setup_s": _LATENCY,
+    "link.efficiency": _FRACTION,
+    "sync.semaphore_latency_cycles": _CYCLES,
+    "sync.barrier_latency_cycles": _CYCLES,
+    "sync.kernel_launch_s": _LATENCY,
+    "power.tdp_w": _POWER,
+    "power.sustained_w": _POWER,
+    "power.facility_w_per_chip": _POWER,
+})
+"""Dotted field path -> its :class:`Limit`; every int and float field has one (checked at import)."""
+
+
 def _param(unit: str, doc: str, check: str = "positive") -> Any:
     """Declare a leaf field: its unit (for parsing and display), description and invariant."""
     assert check in _CHECKS, check
@@ -105,9 +211,13 @@ def _check_type(path: str, value: Any, expected: type) -> Any:
     """`value` as `expected` (an int is accepted, and converted, for a float); ConfigError otherwise."""
     ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+        try:
+            value, ok = float(value), True
+        except OverflowError:
+            raise ConfigError(f"{path} must be a finite number, found {short_repr(value)}") from None
     if not ok:
-        raise ConfigError(f"{path} must be {expected.__name__}, found {type(value).__name__} {value!r}")
+        raise ConfigError(f"{path} must be {expected.__name__}, found {type(value).__name__} "
+                          f"{short_repr(value)}")
     if expected is float and not math.isfinite(value):
         raise ConfigError(f"{path} must be a finite number, found {value!r}")
     return value
@@ -126,12 +236,16 @@ class _Block:
         self.check_invariants()
 
     def check_invariants(self) -> None:
-        """Raise ConfigError naming the dotted field path if a value breaks its declared check."""
+        """Raise ConfigError naming the dotted field path if a value breaks its declared check or
+        leaves its :data:`_LIMITS` range."""
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             ok, expected = _CHECKS[f.metadata["check"]]
             value = getattr(self, f.name)
+            path = f"{self.PATH}.{f.name}"
             if not ok(value):
-                raise ConfigError(f"{self.PATH}.{f.name} must be {expected}, found {value!r}")
+                raise ConfigError(f"{path} must be {expected}, found {short_repr(value)}")
+            if path in _LIMITS:
+                _LIMITS[path].check(path, value, f.metadata["unit"])
         self._check_relations()
 
     def _check_relations(self) -> None:
@@ -359,6 +473,7 @@ class FieldInfo:
         unit: ``"B"``, ``"B/s"``, ``"Hz"``, ``"s"``, ``"W"``, a word such as ``"cycles"``, or ``""``.
         doc: one-line description.
         check: the invariant's name (``"positive"``, ``"fraction"``, ...).
+        limit: the range beyond the check, with its reason (None for a str field).
     """
 
     path: str
@@ -366,6 +481,7 @@ class FieldInfo:
     unit: str
     doc: str
     check: str
+    limit: Limit | None = None
 
 
 @dataclass(frozen=True)
@@ -529,11 +645,17 @@ BLOCKS: Mapping[str, type[_Block]] = MappingProxyType({
 
 FIELDS: Mapping[str, FieldInfo] = MappingProxyType({
     f"{block}.{f.name}": FieldInfo(path=f"{block}.{f.name}", type=_field_types(cls)[f.name],
-                                   unit=f.metadata["unit"], doc=f.metadata["doc"], check=f.metadata["check"])
+                                   unit=f.metadata["unit"], doc=f.metadata["doc"], check=f.metadata["check"],
+                                   limit=_LIMITS.get(f"{block}.{f.name}"))
     for block, cls in BLOCKS.items()
     for f in dataclasses.fields(cls)  # type: ignore[arg-type]
 })
 """Every leaf field by dotted path, in declaration order: the one list the loader, CLI and tests read."""
+
+# A new numeric field needs a limit: without one, a huge value passes and then overflows a cost
+# model or runs without end.
+assert {p for p, i in FIELDS.items() if i.type in (int, float)} == set(_LIMITS), (
+    sorted({p for p, i in FIELDS.items() if i.type in (int, float)} ^ set(_LIMITS)))
 
 
 def _dq(name: str, unit: str, formula: str, compute: Callable[[ChipSpec], float | int]) -> tuple:

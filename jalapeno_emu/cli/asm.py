@@ -1,9 +1,11 @@
 """``jalapeno-emu asm`` and ``jalapeno-emu disasm``: assembly text <-> the binary program format.
 
 ``asm FILE.jasm -o FILE.bin`` assembles, checks every instruction against the ISA table and
-writes the encoding; ``disasm FILE.bin [-o FILE.jasm]`` turns a binary back into assembly. Both
-write their output atomically (a temporary file in the same directory, then a rename), so a
-failed run leaves no partial file behind. Bad input is one ``error:`` line and exit status 2.
+writes the encoding, without instruction sources, so the bytes depend only on the program (the
+same text assembled anywhere, and asm -> disasm -> asm, give the same bytes); ``disasm FILE.bin
+[-o FILE.jasm]`` turns a binary back into assembly. Both write their output atomically (a
+temporary file in the same directory, then a rename), so a failed run leaves no partial file
+behind. Bad input is one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def run_asm(app: App, args: argparse.Namespace) -> int:
                             source=str(src)) from None
     program = assemble(text, source=str(src))
     check_program(program)  # assemble checks each line; this also covers the whole-program checks
-    blob = encode_program(program)
+    # No instruction sources: they hold the path as given, so the bytes would depend on the folder
+    # the file was assembled from and would not survive asm -> disasm -> asm (isa/encoding.py).
+    blob = encode_program(program, sources=False)
     out = Path(args.output) if args.output else src.with_suffix(".bin")
     if _same_file(out, src):
         raise InvalidArgumentError(f"{out}: the output would overwrite the input; choose another -o")

@@ -13,7 +13,11 @@ Ordering model (the same one the timing pass implements):
   does not.
 - ``sem.wait(s, v)`` happens after those ``sem.signal``s on ``s`` that every schedule must have
   executed to reach ``v`` (an engine's signals count only beyond what all other engines could
-  contribute). ``barrier`` joins every participant. ``link.recv`` follows its ``link.send``.
+  contribute before the wait). Signals that happen after the wait cannot contribute: the waiting
+  engine's own later signals, and any signal ordered after the wait through other semaphores,
+  barriers or links; so "wait s, 1; exp b; signal s" on one engine, with "load b; signal s" on a
+  DMA queue, orders the exp after the load. ``barrier`` joins every participant. ``link.recv``
+  follows its ``link.send``.
 
 Two accesses race when they touch overlapping bytes, at least one writes, and neither happens
 before the other.
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Mapping
 
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.emu.progress import ProgressFn, report_interval, resolve_progress
 from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.errors import (
     CapacityExceeded,
@@ -120,19 +126,36 @@ def _check_capacity(program: Program, spec: ChipSpec) -> None:
 
 
 class _Clocks:
-    """Vector clocks implementing the ordering model in the module docstring."""
+    """Vector clocks implementing the ordering model in the module docstring.
 
-    def __init__(self) -> None:
+    Args:
+        sem_signals: per semaphore, each engine's signal count over the whole program.
+        later: per ``sem.wait`` (its instruction index), the signal counts on its semaphore, per
+            signalling engine, known to happen after the wait (:func:`_later_signals`); they
+            cannot help satisfy it.
+    """
+
+    def __init__(self, sem_signals: Mapping[int, Mapping[Engine, int]],
+                 later: Mapping[int, Mapping[Engine, int]]) -> None:
         self.engine_vc: dict[Engine, dict[Engine, int]] = defaultdict(dict)
         self.counter: dict[Engine, int] = defaultdict(int)
         self.signal_vcs: dict[int, list[tuple[Engine, int, dict]]] = defaultdict(list)
         self.sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
+        self.cumulative: dict[tuple[int, Engine], int] = {}  # (sem, engine) -> its signals so far
+        self.pending_barrier: dict[int, list[tuple[Engine, dict]]] = defaultdict(list)
+        self.sem_signals = sem_signals
+        self.sem_totals = {sem: sum(per_engine.values()) for sem, per_engine in sem_signals.items()}
+        self.later = later
+        # What _later_signals needs once the walk is over: every signal's (sem, engine, count,
+        # clock) and every wait's (index, sem, engine, id).
+        self.signals: list[tuple[int, Engine, int, dict]] = []
+        self.waits: list[tuple[int, int, Engine, int]] = []
 
     def _record_signal(self, ins: Instruction, eng: Engine, vc: dict) -> None:
-        sem = ins.arg("sem")
-        prev = [c for e, c, _ in self.signal_vcs[sem] if e == eng]
-        cum = (prev[-1] if prev else 0) + ins.arg("count")
+        sem, count = ins.arg("sem"), ins.arg("count")
+        cum = self.cumulative[(sem, eng)] = self.cumulative.get((sem, eng), 0) + count
         self.signal_vcs[sem].append((eng, cum, dict(vc)))
+        self.signals.append((sem, eng, count, self.signal_vcs[sem][-1][2]))
 
     @staticmethod
     def join(a: dict, b: dict) -> dict:
@@ -142,8 +165,8 @@ class _Clocks:
                 out[k] = v
         return out
 
-    def step(self, ins: Instruction, sem_totals, sem_signals) -> tuple[Engine, int, dict]:
-        """(engine, id, vector clock) of the instruction's memory accesses."""
+    def step(self, idx: int, ins: Instruction) -> tuple[Engine, int, dict]:
+        """(engine, id, vector clock) of instruction ``idx``'s memory accesses; call in a legal order."""
         eng = ins.engine
         self.counter[eng] += 1
         my_id = self.counter[eng]
@@ -163,11 +186,17 @@ class _Clocks:
             vc[eng] = my_id
         if mn == "sem.wait":
             sem, need = ins.arg("sem"), ins.arg("value")
+            self.waits.append((idx, sem, eng, my_id))
+            later = self.later.get(idx, {})
+            per_engine = self.sem_signals.get(sem, {})
+            # Everything signalled on sem except what is known to come after this wait.
+            possible = self.sem_totals.get(sem, 0) - sum(later.values())
             joined: set[Engine] = set()
             for sig_eng, cum, svc in self.signal_vcs[sem]:
                 # Only the first signal of sig_eng that every schedule needs is known to precede
-                # the wait; later ones from that engine may come after it.
-                others = sem_totals[sem] - sem_signals[sem].get(sig_eng, 0)
+                # the wait; later ones from that engine may come after it. The others can
+                # contribute at most what they signal short of their signals after the wait.
+                others = possible - (per_engine.get(sig_eng, 0) - later.get(sig_eng, 0))
                 if sig_eng not in joined and cum >= need - others > 0:
                     vc = self.join(vc, svc)
                     joined.add(sig_eng)
@@ -180,11 +209,90 @@ class _Clocks:
             self._record_signal(ins, eng, vc)
         elif mn == "link.send":
             self.sends[link_key(ins)].append(dict(vc))
+        elif mn == "barrier":
+            self._arrive(ins.arg("id"), ins.arg("count"), eng, vc)
         return eng, my_id, dict(vc)
 
+    def _arrive(self, bid: int, count: int, eng: Engine, vc: dict) -> None:
+        """One engine reaches barrier ``bid``; the last of ``count`` joins every participant's clock."""
+        pending = self.pending_barrier[bid]
+        pending.append((eng, vc))
+        if len(pending) >= count:
+            joined: dict = {}
+            for _, v in pending:
+                joined = self.join(joined, v)
+            for e, _ in pending:
+                self.engine_vc[e] = self.join(self.engine_vc[e], joined)
 
-def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool = True) -> list[int]:
+    def signals_after_waits(self) -> dict[int, dict[Engine, int]]:
+        """Per wait seen so far (instruction index): signal counts on its semaphore, per signalling
+        engine, whose clocks show them after the wait.
+
+        A signal follows wait #w of engine E when its clock's E component is at least w: it comes
+        after an instruction of E issued at or after the wait (for a DMA queue, a signal of the
+        queue issued after the wait, which the queue cannot reach before the wait is satisfied).
+        """
+        groups: dict[tuple[int, Engine], list[tuple[int, int]]] = defaultdict(list)
+        for idx, sem, eng, my_id in self.waits:
+            groups[(sem, eng)].append((my_id, idx))
+        by_sem: dict[int, list[tuple[Engine, int, dict]]] = defaultdict(list)
+        for sem, eng, count, vc in self.signals:
+            by_sem[sem].append((eng, count, vc))
+        out: dict[int, dict[Engine, int]] = {}
+        for (sem, weng), waits in groups.items():
+            waits.sort()
+            ids = [my_id for my_id, _ in waits]
+            # A signal whose clock shows weng at c follows the waits with id <= c, a prefix of the
+            # sorted waits: add its count over that prefix with a difference array per engine.
+            diff: dict[Engine, list[int]] = {}
+            for sig_eng, count, vc in by_sem[sem]:
+                k = bisect.bisect_right(ids, vc.get(weng, 0))
+                if k:
+                    d = diff.setdefault(sig_eng, [0] * (len(waits) + 1))
+                    d[0] += count
+                    d[k] -= count
+            for sig_eng, d in diff.items():
+                running = 0
+                for i, (_, idx) in enumerate(waits):
+                    running += d[i]
+                    if running:
+                        out.setdefault(idx, {})[sig_eng] = running
+        return out
+
+
+def _later_signals(program: Program, order: list[int], sem_signals: Mapping[int, Mapping[Engine, int]],
+                   max_rounds: int = 8) -> dict[int, dict[Engine, int]]:
+    """Per wait: the signals on its semaphore, per engine, known to happen after it.
+
+    Knowing more of them orders more (fewer signals remain to satisfy a wait, so more are
+    required before it), which in turn puts more signals after other waits: iterate the clocks
+    from "none known" to a fixed point. Every round only adds orderings that hold in every
+    schedule, so stopping after ``max_rounds`` (rare: one round per link of a chain of waits on
+    reused semaphores) is safe: it can only report a race that more rounds would have cleared.
+    """
+    if not any(ins.mnemonic == "sem.wait" for ins in program.instructions):
+        return {}
+    later: dict[int, dict[Engine, int]] = {}
+    for _ in range(max_rounds):
+        clocks = _Clocks(sem_signals, later)
+        for idx in order:
+            clocks.step(idx, program.instructions[idx])
+        found = clocks.signals_after_waits()
+        if found == later:
+            break
+        later = found
+    return later
+
+
+def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool = True,
+                  progress: ProgressFn | None = None) -> list[int]:
     """Check ``program`` for ``spec``; return the sequential order it was checked in.
+
+    ``progress``: called with (instructions analysed, total) about every 1% of the race and
+    uninitialised-read analysis (the part that takes minutes at full size: each access is compared
+    with a history of earlier ones that grows with the program, so the time grows faster than the
+    instruction count); defaults to the enclosing ``emu.progress.reporting_progress`` callback,
+    as pass ``"check"``.
 
     Raises:
         IllegalInstruction: an instruction breaks the ISA's rules.
@@ -200,30 +308,22 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
     _check_capacity(program, spec)
     order = sequential_order(program)
 
-    sem_totals: dict[int, int] = defaultdict(int)
     sem_signals: dict[int, dict[Engine, int]] = defaultdict(lambda: defaultdict(int))
     for ins in program.instructions:
         if ins.mnemonic == "sem.signal":
-            sem_totals[ins.arg("sem")] += ins.arg("count")
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
 
-    clocks = _Clocks()
+    clocks = _Clocks(sem_signals, _later_signals(program, order, sem_signals))
     # per memory: (first byte, end, tile, writes, engine, id, instruction index)
     accesses: dict[tuple[Space, int], list[tuple]] = defaultdict(list)
     written: dict[tuple[Space, int], _IntervalSet] = defaultdict(_IntervalSet)
-    pending_barrier: dict[int, list[tuple[Engine, dict]]] = defaultdict(list)
-    for idx in order:
+    progress = resolve_progress(progress, "check")
+    every = report_interval(len(order))
+    for done, idx in enumerate(order):
+        if progress is not None and done % every == 0:
+            progress(done, len(order))
         ins = program.instructions[idx]
-        eng, my_id, vc = clocks.step(ins, sem_totals, sem_signals)
-        if ins.mnemonic == "barrier":
-            bid = ins.arg("id")
-            pending_barrier[bid].append((eng, vc))
-            if len(pending_barrier[bid]) >= ins.arg("count"):
-                joined: dict = {}
-                for _, v in pending_barrier[bid]:
-                    joined = clocks.join(joined, v)
-                for e, _ in pending_barrier[bid]:
-                    clocks.engine_vc[e] = clocks.join(clocks.engine_vc[e], joined)
+        eng, my_id, vc = clocks.step(idx, ins)
         for name, tile, writes in ins.tiles():
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             if not writes and check_uninitialized and tile.space is not Space.HBM:
@@ -236,6 +336,8 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
             accesses[key].append((tile.offset, tile.end, tile, writes, eng, my_id, idx))
             if writes and tile.space is not Space.HBM:
                 written[key].add_tile(tile)
+    if progress is not None:
+        progress(len(order), len(order))
     return order
 
 

@@ -265,3 +265,87 @@ def test_docstring_examples_run():
     for name in ("jalapeno_emu.chip._units", "jalapeno_emu.chip.load"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.attempted > 0 and result.failed == 0, name
+
+
+# --- limits (issue 13): every numeric field has an upper bound, rates a lower one ---------------
+
+def test_every_numeric_field_has_a_limit_with_a_reason():
+    for path, info in FIELDS.items():
+        if info.type in (int, float):
+            assert info.limit is not None and info.limit.why.strip(), path
+            assert isinstance(info.limit.maximum, info.type), path  # reachable by that type
+
+
+def _at_the_limits(tiny: ChipSpec, end: str) -> ChipSpec:
+    """``tiny`` with every field at its largest value ("max"), or every rate at its smallest ("min")."""
+    values = {}
+    for path, info in FIELDS.items():
+        if info.limit is not None:
+            bound = info.limit.maximum if end == "max" else info.limit.minimum
+            if bound is not None:
+                values[path] = info.type(bound)
+    return tiny.replace(**values)
+
+
+@pytest.mark.parametrize("end", ["max", "min"])
+def test_a_spec_at_its_limits_times_and_stays_finite(tiny, end):
+    from jalapeno_emu.emu import run_timing
+    from tests.emu.programs import matmul_tile_program
+
+    spec = _at_the_limits(tiny, end)
+    assert all(math.isfinite(v) for v in spec.derived().values())
+    timeline = run_timing(matmul_tile_program(), spec)
+    assert math.isfinite(timeline.time_s) and timeline.time_s > 0
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [  # the inputs of issue 13: each passed validation, then crashed or ran without end
+        ("hbm.stacks=1e300", r"hbm\.stacks must be <= 64 \(.+\), found an integer of 301 digits"),
+        ("matrix.tile_m=1e300", r"matrix\.tile_m must be <= 4,096 \(.+\), found an integer of 301 digits"),
+        ("matrix.tile_k=1e18", r"matrix\.tile_k must be <= 4,096 \(.+\), found 1000000000000000000"),
+        ("dma.max_outstanding_per_queue=9223372036854775808",
+         r"dma\.max_outstanding_per_queue must be <= 4,096 \(.+\), found 9223372036854775808"),
+        ("core.count=9223372036854775808", r"core\.count must be <= 4,096 \(.+\), found 9223372036854775808"),
+        ("core.clock_hz=1e12",
+         r"core\.clock_hz must be <= 1e\+11 Hz \(100 GHz: .+\), found 1000000000000\.0"),
+        ("hbm.bytes_per_s_per_pseudo_channel=1e-300",
+         r"hbm\.bytes_per_s_per_pseudo_channel must be >= 1 B/s \(times and totals divide by it\)"),
+        ("hbm.efficiency=1e-300", r"hbm\.efficiency must be >= 0\.001"),
+        ("core.clock_hz=1e1000000", r"core\.clock_hz is too large: '1e1000000' is beyond any finite number"),
+        ("sram.scratchpad_bytes=" + "9" * 5000, r"sram\.scratchpad_bytes is too large: '9{32}\.\.\.9999'"),
+    ],
+)
+def test_values_past_a_limit_are_refused_naming_the_field_and_the_limit(tiny, item, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        chip.apply_overrides(tiny, [item])
+    assert len(str(info.value)) < 300
+
+
+def test_huge_values_through_the_python_api_are_config_errors(tiny):
+    with pytest.raises(ConfigError, match=r"core\.clock_hz must be a finite number, found an integer of "
+                                          r"5,001 digits"):
+        tiny.replace(**{"core.clock_hz": 10**5000})
+    with pytest.raises(ConfigError, match=r"core\.count must be <= 4,096 .* found an integer of 5,001 "):
+        tiny.replace(**{"core.count": 10**5000})
+    with pytest.raises(ConfigError, match=r"core\.clock_hz expects a finite number in Hz, found an integer"):
+        chip.parse_field_value("core.clock_hz", 10**2000)
+
+
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        ('clock_hz = { value = "1e1000000", assumed = "x" }', r"core\.clock_hz is too large"),
+        ('clock_hz = { value = 1e1000000, assumed = "x" }',
+         r"core\.clock_hz must be a finite number, found inf"),
+        ("count = { value = " + "1" * 400 + ', assumed = "x" }',
+         r"core\.count must be <= 4,096 .* found an integer of 400 digits"),
+        ("count = { value = " + "1" * 5000 + ', assumed = "x" }',
+         r"custom\.toml: unreadable TOML value: Exceeds"),
+    ],
+)
+def test_huge_values_in_a_preset_file_are_config_errors(tmp_path, leaf, message):
+    path = _write(tmp_path, f'inherits = "tiny"\n[core]\n{leaf}\n')
+    with pytest.raises(ConfigError, match=message) as info:
+        chip.load_preset(path)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400

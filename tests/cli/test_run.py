@@ -72,3 +72,19 @@ def test_missing_file_and_directory(tmp_path, capsys):
     assert main(["run", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "is a directory" in err
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [  # issue 13: these passed validation, then the cost model raised ValueError/OverflowError
+        ("matrix.tile_m=1e300", "matrix.tile_m must be <= 4,096"),
+        ("hbm.stacks=1e300", "hbm.stacks must be <= 64"),
+        ("dma.max_outstanding_per_queue=9223372036854775808",
+         "dma.max_outstanding_per_queue must be <= 4,096"),
+    ],
+)
+def test_a_chip_field_past_its_limit_stops_before_the_run(capsys, item, message):
+    assert main(["run", str(EXAMPLE), "--set", item]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and message in captured.err
+    assert captured.err.strip().count("\n") == 0 and "Traceback" not in captured.err

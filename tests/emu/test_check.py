@@ -106,3 +106,46 @@ def test_strided_tiles_overlap_exactly():
     assert tiles_overlap(right, Tile(Space.SRAM, 0, 1020, "f32", 1, 2))
     assert not tiles_overlap(right, Tile(Space.SRAM, 0, 0, "f32", 1, 32))
     assert not tiles_overlap(left, Tile(Space.SRAM, 1, 0, "f32", 8, 32, 256))
+
+
+def _reused_semaphore(waiter: str, *, extra: str = "") -> KernelBuilder:
+    """A DMA queue loads ``buf`` and signals s; ``waiter`` waits for s >= 1, uses ``buf``, then
+    signals on the same semaphore (issue 13). ``extra``: "early" adds an unrelated signal on s
+    that can satisfy the wait without the load; "chain" routes the waiter's signal through
+    another engine (wait t, signal s), so it is after the wait only transitively."""
+    kb = KernelBuilder("reuse", chip="tiny")
+    x_h, y_h = kb.hbm("X", (8, 64), "f32"), kb.hbm("Y", (8, 64), "f32")
+    buf = kb.sram(0, "buf", (8, 64), "f32")
+    s, t = kb.semaphore("s"), kb.semaphore("t")
+    c0 = kb.core(0)
+    if extra == "early":
+        c0.mxu.signal(s)
+    c0.dma[0].load(buf, x_h)
+    c0.dma[0].signal(s)
+    eng = c0.vpu if waiter == "vpu" else c0.dma[1]
+    eng.wait(s, 1)
+    if waiter == "vpu":
+        eng.exp(buf, buf)
+    else:
+        eng.store(y_h, buf)
+    if extra == "chain":
+        eng.signal(t)
+        c0.mxu.wait(t, 1)
+        c0.mxu.signal(s)
+    else:
+        eng.signal(s)
+    return kb
+
+
+@pytest.mark.parametrize("waiter", ["vpu", "dma"])
+@pytest.mark.parametrize("extra", ["", "chain"])
+def test_signals_after_a_wait_do_not_count_towards_it(waiter, extra):
+    # The waiter's own signal (directly, or through another engine) comes after its wait, so only
+    # the load's signal can satisfy it: the use is ordered after the load.
+    check_program(_reused_semaphore(waiter, extra=extra).build(), TINY)
+
+
+@pytest.mark.parametrize("waiter", ["vpu", "dma"])
+def test_a_wait_satisfiable_without_the_load_still_races(waiter):
+    with pytest.raises(Race, match=r"instruction #1 on c0\.dma0"):
+        check_program(_reused_semaphore(waiter, extra="early").build(), TINY)

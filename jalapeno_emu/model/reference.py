@@ -31,6 +31,7 @@ import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.emu.functional import inorder_block_matmul, sequential_row_sum
+from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels.attention_ref import yarn_cos_sin
 from jalapeno_emu.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 
@@ -340,8 +341,26 @@ def _head(eps: float, batch: int, x: jax.Array, residual: jax.Array, norm: jax.A
     return _linear(_rmsnorm(last, norm, eps), unembed)
 
 
+def _step(cfg: ModelConfig, batch: int, params: list[dict], caches: list[tuple], x: jax.Array,
+          pos: jax.Array, cos: jax.Array, sin: jax.Array, norm: jax.Array, unembed: jax.Array
+          ) -> tuple[jax.Array, list[tuple]]:
+    """Every layer and the head: embedded x [B*S, H] -> (logits [B, vocab], updated caches)."""
+    residual = jnp.zeros_like(x)
+    out = []
+    for i in range(cfg.layers):
+        x, residual, cache = _layer(cfg, cfg.window(i), cfg.is_moe(i), batch, params[i], caches[i],
+                                    x, residual, pos, cos, sin)
+        out.append(cache)
+    return _head(cfg.rms_eps, batch, x, residual, norm, unembed), out
+
+
 _layer_jit = jax.jit(_layer, static_argnames=("cfg", "window", "moe", "batch"))
 _head_jit = jax.jit(_head, static_argnames=("eps", "batch"))
+# The caches are donated: the step rewrites one position of each, and without donation XLA would
+# copy every cache on every step, which the die (updating its HBM in place) does not pay.
+_step_jit = jax.jit(_step, static_argnames=("cfg", "batch"), donate_argnames=("caches",))
+JIT_MODES = (False, True, "layer", "step")
+"""``ReferenceModel(jit=...)`` values: False eager; True or "layer" per layer; "step" per step."""
 
 
 class ReferenceModel:
@@ -355,14 +374,20 @@ class ReferenceModel:
             so that one compiled function serves every step).
         jit: False (default): every operation is dispatched on its own (no fusion across
             operations), rounded as written, as the die executes instruction by instruction;
-            this is the numerics check. True: each layer is
+            this is the numerics check. True (or "layer"): each layer is
             one jitted function, several times faster, but XLA then fuses operations (a multiply
             feeding an add becomes one fused multiply-add, exp takes its vectorised path inside a
-            fusion), which moves results by an FP32 ulp here and there: the speed baseline.
+            fusion), which moves results by an FP32 ulp here and there. "step": the whole step
+            (every layer and the head) is one jitted function with the caches donated (updated
+            in place): the fastest form, and the speed baseline (``benchmarks/bench_model.py``);
+            same fusion caveat, and under jit every expert runs (a weight of 0 adds exactly 0),
+            where eager runs only the chosen ones.
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
-                 jit: bool = False) -> None:
+                 jit: bool | str = False) -> None:
+        if jit not in JIT_MODES:
+            raise InvalidArgumentError(f"jit={jit!r} is not one of {JIT_MODES}")
         self.cfg, self.w, self.batch, self.cap, self.jit = cfg, weights, batch, max_positions, jit
         self.length = 0
         self.params = [_params(lw) for lw in weights.layers]
@@ -385,11 +410,16 @@ class ReferenceModel:
         ids = np.asarray(ids)
         b, s = ids.shape
         if b != self.batch:
-            raise ValueError(f"ids have batch {b}, the model was set up for {self.batch}")
+            raise InvalidArgumentError(f"ids have batch {b}, the model was set up for {self.batch}")
         if self.length + s > self.cap:
-            raise ValueError(f"{self.length + s} positions exceed the cache capacity {self.cap}")
+            raise InvalidArgumentError(f"{self.length + s} positions exceed the cache capacity {self.cap}")
         pos = jnp.arange(self.length, self.length + s)
         x = _f32(self.embed[ids.reshape(-1)])
+        if self.jit == "step":
+            logits, self.cache = _step_jit(cfg, b, self.params, self.cache, x, pos, self.cos, self.sin,
+                                           self.final_norm, self.unembed)
+            self.length += s
+            return np.asarray(logits)
         residual = jnp.zeros_like(x)
         layer, head = (_layer_jit, _head_jit) if self.jit else (_layer, _head)
         for i in range(cfg.layers):

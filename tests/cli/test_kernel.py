@@ -35,3 +35,25 @@ def test_kernel_timing_only_skips_the_functional_run(capsys):
     assert main(["kernel", "rmsnorm", "--timing-only", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "passed" not in doc and doc["time_s"] >= doc["lower_bound_s"] > 0
+
+
+def test_a_long_run_warns_on_stderr_and_points_at_timing_only(capsys, monkeypatch):
+    from jalapeno_emu.cli import kernel as kernel_cli
+
+    monkeypatch.setattr(kernel_cli, "LONG_RUN_INSTRUCTIONS", 10)  # rmsnorm has a few dozen
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--check", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["passed"] is True  # stdout is still only the JSON
+    assert "instructions" in err and "--timing-only" in err
+    assert err.count("--timing-only") == 1  # once, not once per pass
+    # without --json the same run also draws the (transient) progress bars on stderr
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--check"]) == 0
+    assert "--timing-only gives" in capsys.readouterr().err
+    # --timing-only runs neither the analysis nor the functional pass: nothing to warn about
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--timing-only"]) == 0
+    assert "--timing-only gives" not in capsys.readouterr().err
+
+
+def test_a_short_run_does_not_warn(capsys):
+    assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--check"]) == 0
+    assert "--timing-only" not in capsys.readouterr().err

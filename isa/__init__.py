@@ -1,8 +1,9 @@
 """The instruction set of the emulated die (installed as ``jalapeno_emu.isa``).
 
-Stage: ISA, right after numerics. It will hold the instruction table (the single source of truth
-for mnemonics, operands, encodings, legality and timing parameters), the encoder, assembler,
-disassembler and builder. Its matrix-unit instruction computes exactly ``jalapeno_emu.mx.matmul``.
+Stage: ISA, right after numerics. It holds the instruction table (the single source of truth
+for mnemonics, operands, encodings, legality and timing parameters), the program representation,
+the encoder, assembler, disassembler and builder. Its matrix-unit instruction computes exactly
+``jalapeno_emu.mx.matmul``.
 Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker, the binary encoding, the
 assembler/disassembler and the generated reference (``isa/README.md``).
 

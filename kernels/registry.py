@@ -1,9 +1,11 @@
-"""The kernel registry: every kernel family module registers its KernelDefs here."""
+"""The kernel registry: every kernel family module registers its KernelDefs here (each module of
+the package is imported on first use; a module that defines no kernel registers nothing)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import pkgutil
 
 from jalapeno_emu.errors import InvalidArgumentError
 
@@ -12,8 +14,7 @@ from .base import KernelDef
 __all__ = ["all_kernels", "get_kernel", "register"]
 
 _REGISTRY: dict[str, KernelDef] = {}
-# Kernel family modules, imported on first use so that importing one kernel stays cheap.
-_FAMILIES = ("norm", "gemm", "attention", "mla", "moe", "cache")
+_loaded = False
 
 
 def register(kdef: KernelDef) -> KernelDef:
@@ -25,12 +26,16 @@ def register(kdef: KernelDef) -> KernelDef:
 
 
 def _load_all() -> None:
-    for fam in _FAMILIES:
-        try:
-            importlib.import_module(f"jalapeno_emu.kernels.{fam}")
-        except ModuleNotFoundError as exc:  # a family not written yet
-            if exc.name != f"jalapeno_emu.kernels.{fam}":
-                raise
+    """Import every module of the package once, so each family registers its kernels: no list to
+    keep by hand, and a family that fails to import fails loudly instead of going missing.
+    Imported on first use, so that importing one kernel stays cheap."""
+    global _loaded
+    if _loaded:
+        return
+    package = __name__.rpartition(".")[0]
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        importlib.import_module(f"{package}.{info.name}")
+    _loaded = True
 
 
 def all_kernels() -> list[KernelDef]:

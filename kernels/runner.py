@@ -50,12 +50,27 @@ class KernelReport:
             "instructions": s["instructions"], "time_s": s["time_s"], "hbm_bytes": s["hbm_bytes"],
             "flops": s["flops"], "hbm_utilization": s["hbm_utilization"],
             "hbm_utilization_of_achievable": s["hbm_utilization_of_achievable"],
-            "mxu_utilization": s["mxu_utilization"], "bound": s["bound"],
-            "lower_bound_s": s["lower_bound_s"], "notes": self.notes,
+            "mxu_utilization": s["mxu_utilization"],
+            "mxu_utilization_of_format_peak": s["mxu_utilization_of_format_peak"], "bound": s["bound"],
+            "why": s["why"], "lower_bound_s": s["lower_bound_s"], "critical_engine": s["critical_engine"],
+            "cores_used": s["cores_used"], "cores_total": s["cores_total"],
+            "critical_fixed_s": s["critical_fixed_s"],
+            "critical_fixed_by_kind_s": s["critical_fixed_by_kind_s"],
+            "busy_s_by_unit": _busy_by_unit(s["busy_s"]), "notes": self.notes,
         }
         if self.check is not None:
             out.update(self.check)
         return out
+
+
+def _busy_by_unit(busy_s: dict[str, float]) -> dict[str, float]:
+    """Per unit kind (dma, mxu, vpu, link), the busiest engine's busy time, s: what a table can
+    show of a per-engine map with hundreds of entries."""
+    out: dict[str, float] = {}
+    for engine, t in busy_s.items():
+        unit = "link" if engine == "link" else engine.split(".", 1)[1].rstrip("0123456789")
+        out[unit] = max(out.get(unit, 0.0), t)
+    return out
 
 
 def _compare(got: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> dict[str, Any]:

@@ -205,6 +205,100 @@ class Timeline:
             return "latency"
         return "synchronisation"
 
+    # --- explanations ---------------------------------------------------------------------
+    def mxu_utilization_of_format_peak(self) -> float:
+        """Fraction of the time the chip's matrix units would need for these FLOPs at the peak of
+        the format each matmul used (BF16 work at the BF16 peak, not the MXFP4 one)."""
+        t = self.time_s
+        if t <= 0:
+            return 0.0
+        d = self.spec.derived()
+        flops = self.flops_by_format()
+        return sum(flops[f] / d[f"peak_{f}_flops_per_s"] for f in FORMATS) / t
+
+    def cores_used(self) -> int:
+        """Cores that ran any work (a transfer, a matmul or a vector operation)."""
+        work = self.category != CATEGORIES.index("sync")
+        cores = {e.core for e in (self.engines[i] for i in np.unique(self.engine_index[work]))
+                 if e.core >= 0}
+        return len(cores)
+
+    def _path_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """(critical path indices, the time each one adds to the path, s)."""
+        path = self.critical_path()
+        ends = self.end_s[path]
+        before = np.concatenate(([0.0], ends[:-1]))
+        return path, np.maximum(ends - before, 0.0)
+
+    def critical_path_by_engine_s(self) -> dict[str, float]:
+        """Seconds of the critical path each engine's instructions account for, largest first."""
+        path, step = self._path_steps()
+        out: dict[str, float] = {}
+        for i, dt in zip(path.tolist(), step.tolist(), strict=True):
+            name = str(self.engines[self.engine_index[i]])
+            out[name] = out.get(name, 0.0) + dt
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def critical_fixed_by_kind_s(self) -> dict[str, float]:
+        """``critical_fixed_s`` split by what the fixed costs are: ``launch``, ``dma_setup``,
+        ``hbm_latency`` (with gather rounds), ``issue`` (compute issue overhead and pipeline fill),
+        ``link_latency``, each counted at most the time its step adds to the path, s."""
+        path, step = self._path_steps()
+        fixed = np.minimum(self.fixed_s[path], step)
+        cat = self.category[path]
+        setup = self.spec.dma.setup_latency_s
+        dma = cat == CATEGORIES.index("dma")
+        dma_setup = np.minimum(fixed[dma], setup)
+        return {
+            "launch": self.launch_s,
+            "dma_setup": float(dma_setup.sum()),
+            "hbm_latency": float((fixed[dma] - dma_setup).sum()),
+            "issue": float(fixed[(cat == CATEGORIES.index("mxu")) | (cat == CATEGORIES.index("vpu"))].sum()),
+            "link_latency": float(fixed[cat == CATEGORIES.index("link")].sum()),
+        }
+
+    def why(self) -> str:
+        """One line saying what bounds the program, from the same figures as :meth:`bound`."""
+        t = self.time_s
+        if t <= 0:
+            return "no work"
+        bound = self.bound()
+        n = self.spec.core.count
+        used = self.cores_used()
+        cores = f"{used} of {n} cores ran work"
+        if bound == "hbm":
+            mem = self.memory_bound_s()
+            ideal = self.hbm_bytes / self.spec.derived()["hbm_achievable_bytes_per_s"]
+            spread = "" if mem <= 1.05 * ideal else \
+                f"; the busiest channel or core port carries {mem / ideal:.2g}x its even share"
+            return (f"HBM-bound: the busiest HBM channel or core DMA port is busy {mem / t:.0%} of the "
+                    f"time{spread}; {cores}")
+        if bound == "compute":
+            comp = self.compute_bound_s()
+            kinds = (CATEGORIES.index("mxu"), CATEGORIES.index("vpu"))
+            work = np.isin(self.category, kinds)
+            per_engine = np.bincount(self.engine_index[work], weights=self.work_s[work],
+                                     minlength=len(self.engines))
+            busiest = self.engines[int(np.argmax(per_engine))]
+            fmt = self.flops_by_format()
+            used_fmt = [f for f in FORMATS if fmt[f] > 0]
+            what = f" ({'/'.join(used_fmt)} matmuls)" if busiest.unit == "mxu" and used_fmt else ""
+            return (f"compute-bound: {busiest}{what} works {comp / t:.0%} of the time; {cores}; "
+                    f"matrix units at {self.mxu_utilization_of_format_peak():.1%} of the chip's peak "
+                    "for the formats used")
+        fixed = self.critical_fixed_by_kind_s()
+        parts = ", ".join(f"{k.replace('_', ' ')} {v * 1e6:.3g} µs" for k, v in
+                          sorted(fixed.items(), key=lambda kv: -kv[1]) if v > 0)
+        if bound == "latency":
+            return (f"latency-bound: fixed costs make {self.critical_fixed_s() / t:.0%} of the critical "
+                    f"path ({parts}); {cores}")
+        lead = next(iter(self.critical_path_by_engine_s().items()), ("none", 0.0))
+        return (f"synchronisation-bound: no resource is busy {BOUND_THRESHOLD:.0%} of the time (HBM "
+                f"channels and DMA ports {self.memory_bound_s() / t:.0%}, busiest compute unit "
+                f"{self.compute_bound_s() / t:.0%}) and fixed costs are {self.critical_fixed_s() / t:.0%} "
+                f"of the critical path: the rest is engines waiting for each other (the largest share "
+                f"of the path, {lead[1] / t:.0%}, on {lead[0]}); {cores}")
+
     # --- summary --------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The numbers a report prints, as plain Python values.
@@ -217,8 +311,13 @@ class Timeline:
             B/s over its peak), ``flops``, ``flops_by_format``, ``flops_per_s``,
             ``mxu_utilization`` (achieved FLOP/s over the chip's peak MXFP4 FLOP/s),
             ``mxu_utilization_used_cores`` (over the peak of the cores that ran a matmul),
-            ``bound``, ``lower_bound_s``, ``memory_bound_s``, ``compute_bound_s``,
-            ``critical_fixed_s`` and ``busy_s`` per engine.
+            ``mxu_utilization_of_format_peak`` (over the peak of the formats used),
+            ``bound``, ``why`` (one line from the same figures), ``lower_bound_s``,
+            ``memory_bound_s``, ``compute_bound_s``, ``critical_fixed_s`` and
+            ``critical_fixed_by_kind_s`` (launch, DMA set-up, HBM latency, issue, link latency),
+            ``critical_path_by_engine_s``, ``critical_engine`` (the engine with the largest
+            share of the critical path), ``cores_used`` / ``cores_total`` and ``busy_s`` per
+            engine.
         """
         d = self.spec.derived()
         t = self.time_s
@@ -230,6 +329,7 @@ class Timeline:
         peak4 = d["peak_mxfp4_flops_per_s"]
         used_peak = peak4 * len(mm_cores) / self.spec.core.count
         rate = flops / t if t else 0.0
+        path_engines = self.critical_path_by_engine_s()
         return {
             "time_s": t,
             "launch_s": self.launch_s,
@@ -247,11 +347,18 @@ class Timeline:
             "flops_per_s": rate,
             "mxu_utilization": rate / peak4,
             "mxu_utilization_used_cores": rate / used_peak if used_peak else 0.0,
+            "mxu_utilization_of_format_peak": self.mxu_utilization_of_format_peak(),
             "bound": self.bound(),
+            "why": self.why(),
             "lower_bound_s": self.lower_bound_s(),
             "memory_bound_s": self.memory_bound_s(),
             "compute_bound_s": self.compute_bound_s(),
             "critical_fixed_s": self.critical_fixed_s(),
+            "critical_fixed_by_kind_s": self.critical_fixed_by_kind_s(),
+            "critical_path_by_engine_s": path_engines,
+            "critical_engine": next(iter(path_engines), None),
+            "cores_used": self.cores_used(),
+            "cores_total": self.spec.core.count,
             "busy_s": self.busy_s(),
         }
 

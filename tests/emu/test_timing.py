@@ -374,6 +374,8 @@ SUMMARY_KEYS = {
     "hbm_utilization", "hbm_utilization_of_achievable", "channel_utilization", "flops",
     "flops_by_format", "flops_per_s", "mxu_utilization", "mxu_utilization_used_cores", "bound",
     "lower_bound_s", "memory_bound_s", "compute_bound_s", "critical_fixed_s", "busy_s",
+    "mxu_utilization_of_format_peak", "why", "critical_fixed_by_kind_s", "critical_path_by_engine_s",
+    "critical_engine", "cores_used", "cores_total",
 }
 
 
@@ -454,3 +456,39 @@ def test_dma_queue_keeps_streaming_past_a_pending_signal(tiny):
     assert max(tl.start_s[j] for j in loads) < tl.end_s[0]
     assert all(tl.end_s[j + 1] == pytest.approx(max(tl.end_s[k] for k in loads if k <= j))
                for j in loads)
+
+
+# --- explanations ---------------------------------------------------------------------------
+def _bf16_matmuls_on_one_core(spec, steps: int = 64):
+    """Many BF16 matmuls on core 0's matrix unit back to back: compute-bound on that one unit."""
+    kb = KernelBuilder("bf16_mm", chip=spec)
+    a, b = kb.sram(0, "a", (128, 256), "bf16"), kb.sram(0, "b", (256, 128), "bf16")
+    acc = kb.acc(0, "acc", (128, 128))
+    m = kb.core(0).mxu
+    for i in range(steps):
+        m.matmul(acc, a, b, mode="overwrite" if i == 0 else "accumulate")
+    return kb.build()
+
+
+def test_why_names_the_busy_unit_its_format_and_the_cores_that_worked(v1):
+    s = run_timing(_bf16_matmuls_on_one_core(v1), v1).summary()
+    assert s["bound"] == "compute"
+    assert s["why"].startswith("compute-bound: c0.mxu (bf16 matmuls)")
+    assert "1 of 64 cores" in s["why"]
+    assert (s["cores_used"], s["cores_total"], s["critical_engine"]) == (1, 64, "c0.mxu")
+    # BF16 runs at a quarter of the MXFP4 peak: against its own peak the unit looks 4x as busy
+    assert s["mxu_utilization_of_format_peak"] == pytest.approx(4 * s["mxu_utilization"])
+
+
+def test_why_of_an_hbm_bound_stream_and_of_a_latency_bound_gemv(v1):
+    stream = microbench.streamed_matmul_program(v1, 1, 32768, 262144, chunk_k=512, nbuf=4)
+    s = run_timing(stream, v1).summary()
+    assert s["bound"] == "hbm" and s["why"].startswith("HBM-bound") and s["cores_used"] == 64
+    s = run_timing(microbench.streamed_matmul_program(v1, 1, 256, 256, chunk_k=256, nbuf=1, cores=[0]),
+                   v1).summary()
+    assert s["bound"] == "latency" and s["why"].startswith("latency-bound") and s["cores_used"] == 1
+    kinds = s["critical_fixed_by_kind_s"]
+    assert sum(kinds.values()) == pytest.approx(s["critical_fixed_s"])
+    assert kinds["launch"] == v1.sync.kernel_launch_s
+    assert kinds["dma_setup"] == pytest.approx(2 * v1.dma.setup_latency_s)  # the load, the store
+    assert sum(s["critical_path_by_engine_s"].values()) == pytest.approx(s["makespan_s"])

@@ -24,7 +24,7 @@ import numpy as np
 
 from jalapeno_emu.emu.timeline import CATEGORIES, FORMATS, Timeline
 
-__all__ = ["PhaseFigures", "phase_figures", "region_of_instructions", "region_spans"]
+__all__ = ["PhaseFigures", "phase_figures", "region_of_instructions", "region_spans", "why_of_causes"]
 
 _DMA, _MXU, _VPU, _SYNC, _LINK = (CATEGORIES.index(c) for c in ("dma", "mxu", "vpu", "sync", "link"))
 
@@ -43,6 +43,9 @@ class PhaseFigures:
         lower_bound_s: its own roofline: bytes at the achievable HBM rate or FLOPs at peak.
         start_s, end_s: first start and last end of its instructions.
         instructions: how many it has.
+        cores_used: cores that ran any of its work (transfers, matmuls, vector operations).
+        critical_engine: the engine with the largest share of its critical seconds (None when
+            none are on the critical path).
     """
 
     name: str
@@ -56,13 +59,33 @@ class PhaseFigures:
     start_s: float
     end_s: float
     instructions: int
+    cores_used: int = 0
+    critical_engine: str | None = None
+
+    @property
+    def why(self) -> str:
+        """One line: its critical seconds by cause (the bound is the largest), where they are spent."""
+        return why_of_causes(self.by_cause_s, self.critical_engine)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values."""
         return {"name": self.name, "critical_s": self.critical_s, "by_cause_s": dict(self.by_cause_s),
-                "bound": self.bound, "hbm_bytes": self.hbm_bytes, "flops": self.flops,
+                "bound": self.bound, "why": self.why, "hbm_bytes": self.hbm_bytes, "flops": self.flops,
                 "lower_bound_s": self.lower_bound_s, "start_s": self.start_s, "end_s": self.end_s,
-                "instructions": self.instructions}
+                "instructions": self.instructions, "cores_used": self.cores_used,
+                "critical_engine": self.critical_engine}
+
+
+def why_of_causes(by_cause_s: dict[str, float], engine: str | None = None) -> str:
+    """"compute 55%, latency 30%, hbm 15% of 12.3 µs on the critical path (most on c3.mxu)" from
+    critical seconds by cause: the same figures the bound is the largest of."""
+    total = sum(by_cause_s.values())
+    if total <= 0:
+        return "overlapped: none of its time is on the critical path"
+    parts = ", ".join(f"{c} {v / total:.0%}" for c, v in sorted(by_cause_s.items(), key=lambda kv: -kv[1])
+                      if v / total >= 0.005)
+    where = f" (most on {engine})" if engine else ""
+    return f"{parts} of {total * 1e6:.3g} µs on the critical path{where}"
 
 
 def region_of_instructions(tl: Timeline) -> tuple[list[str], np.ndarray]:
@@ -102,6 +125,7 @@ def phase_figures(tl: Timeline, *, end_instruction: int | None = None, start_s: 
     n = len(tl.end_s)
     causes = ("hbm", "compute", "latency", "synchronisation")
     crit = np.zeros((len(all_names) + 1, len(causes)))  # last row: outside any region
+    on_engine: dict[tuple[int, int], float] = {}  # (row, engine index) -> critical seconds
     if n:
         i = int(np.argmax(tl.end_s)) if end_instruction is None else end_instruction
         path = []
@@ -132,7 +156,15 @@ def phase_figures(tl: Timeline, *, end_instruction: int | None = None, start_s: 
             row = owner[i] if owner[i] >= 0 else len(all_names)
             crit[row, causes.index("latency")] += fix
             crit[row, causes.index(work)] += step - fix
+            key = (int(row), int(tl.engine_index[i]))
+            on_engine[key] = on_engine.get(key, 0.0) + step
     d = tl.spec.derived()
+    engine_core = np.array([e.core for e in tl.engines], dtype=np.int64)
+    working = tl.category != _SYNC
+    lead: dict[int, tuple[float, int]] = {}
+    for (row, e), sec in on_engine.items():
+        if sec > lead.get(row, (0.0, -1))[0]:
+            lead[row] = (sec, e)
     out = []
     for k, name in enumerate(all_names):
         if names is not None and name not in names:
@@ -149,5 +181,7 @@ def phase_figures(tl: Timeline, *, end_instruction: int | None = None, start_s: 
             name=name, critical_s=total, by_cause_s=by, bound=bound, hbm_bytes=hbm_bytes,
             flops=float(tl.flops[sel].sum()), flops_by_format=fmt, lower_bound_s=lower,
             start_s=float(tl.start_s[sel].min()) if sel.any() else 0.0,
-            end_s=float(tl.end_s[sel].max()) if sel.any() else 0.0, instructions=int(sel.sum())))
+            end_s=float(tl.end_s[sel].max()) if sel.any() else 0.0, instructions=int(sel.sum()),
+            cores_used=len(set(engine_core[tl.engine_index[sel & working]].tolist()) - {-1}),
+            critical_engine=str(tl.engines[lead[k][1]]) if k in lead else None))
     return out

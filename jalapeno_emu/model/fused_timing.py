@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.phases import phase_figures, region_of_instructions
+from jalapeno_emu.emu.phases import phase_figures, region_of_instructions, why_of_causes
 from jalapeno_emu.emu.timeline import Timeline
 from jalapeno_emu.emu.timing import run_timing
 
@@ -79,7 +79,8 @@ def _kernel_entries(tl: Timeline, fb: FusedBuild, labels: Sequence[str], *, end_
             hbm_utilization_of_achievable=p.hbm_bytes / span / d["hbm_achievable_bytes_per_s"],
             mxu_utilization=p.flops / span / d["peak_mxfp4_flops_per_s"],
             bound=p.bound, lower_bound_s=p.lower_bound_s, instructions=p.instructions,
-            flops_by_format=p.flops_by_format, span_s=span, by_cause_s=p.by_cause_s))
+            flops_by_format=p.flops_by_format, span_s=span, by_cause_s=p.by_cause_s,
+            why=p.why, critical_engine=p.critical_engine, cores_used=p.cores_used))
     return out
 
 
@@ -96,6 +97,7 @@ def _figures(time_s: float, hbm: float, flops: float, fmt: dict[str, float], cau
         "hbm_utilization_of_achievable": rate(hbm, d["hbm_achievable_bytes_per_s"]),
         "mxu_utilization": rate(flops, d["peak_mxfp4_flops_per_s"]),
         "bound": max(causes, key=causes.get) if causes else "latency", "time_by_bound_s": causes,
+        "why": why_of_causes(causes), "mxu_utilization_of_format_peak": compute / time_s if time_s else 0.0,
         "lower_bound_s": max(hbm / d["hbm_achievable_bytes_per_s"], compute), "flops_by_format": fmt,
         **extra,
     }

@@ -60,7 +60,9 @@ class KernelTiming:
         mxu_utilization: achieved over peak MXFP4 FLOP/s. bound: hbm / compute / vector /
         latency (what the timeline says limits it). lower_bound_s: max of the bytes (at the
         achievable HBM rate) and FLOPs (at peak) bounds. instructions: the Program's length.
-        flops_by_format: FLOPs per matrix-unit rate.
+        flops_by_format: FLOPs per matrix-unit rate. why: one line from the same figures as
+        bound; critical_engine: the engine with the largest share of its critical path;
+        cores_used: cores that ran any of its work.
 
     In a fused program (``model.fused_timing``) an entry is a *phase*: ``time_s`` is its share of
     the layer's critical path, utilisations are over ``span_s``, ``by_cause_s`` splits its
@@ -83,12 +85,16 @@ class KernelTiming:
     flops_by_format: dict[str, float] | None = None
     span_s: float | None = None
     by_cause_s: dict[str, float] | None = None
+    why: str = ""
+    critical_engine: str | None = None
+    cores_used: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form (the ``kernels`` entries of ``layer --json``); a phase of a fused program also
         has ``span_s`` (first start to last end of its instructions) and ``time_by_cause_s``."""
         out = {"label": self.label, "kernel": self.kernel, "shape": self.shape,
-               **{k: getattr(self, k) for k in _FIELDS}}
+               **{k: getattr(self, k) for k in _FIELDS},
+               "why": self.why, "critical_engine": self.critical_engine, "cores_used": self.cores_used}
         if self.span_s is not None:
             out["span_s"] = self.span_s
             out["time_by_cause_s"] = dict(self.by_cause_s or {})
@@ -118,10 +124,20 @@ def sum_timings(kernels: Sequence[KernelTiming], spec: ChipSpec) -> dict[str, An
         "mxu_utilization": flops / t / d["peak_mxfp4_flops_per_s"] if t else 0.0,
         "bound": max(by_bound, key=by_bound.get) if by_bound else "latency",
         "time_by_bound_s": by_bound,
+        "why": _why_of_launches(by_bound, t),
+        "mxu_utilization_of_format_peak": compute / t if t else 0.0,
         "lower_bound_s": max(hbm / d["hbm_achievable_bytes_per_s"], compute),
         "flops_by_format": fmt, "fusion": "none",
         "launch_s": spec.sync.kernel_launch_s * len(kernels),
     }
+
+
+def _why_of_launches(by_bound: dict[str, float], time_s: float) -> str:
+    """"latency-bound kernels 60%, hbm 30%, ... of the time": the split the bound is the largest of."""
+    if time_s <= 0:
+        return "no work"
+    parts = ", ".join(f"{b} {v / time_s:.0%}" for b, v in sorted(by_bound.items(), key=lambda kv: -kv[1]))
+    return f"launches by what bounds each: {parts} of {time_s * 1e6:.3g} µs"
 
 
 @dataclass(frozen=True)
@@ -189,7 +205,9 @@ class StepTimer:
             self._cache[key] = hit
         s, timeline = hit
         return KernelTiming(label=launch.label, kernel=launch.kernel, shape=launch.shape_dict,
-                            **{k: s[k] for k in _FIELDS}, flops_by_format=s["flops_by_format"]), timeline
+                            **{k: s[k] for k in _FIELDS}, flops_by_format=s["flops_by_format"],
+                            why=s["why"], critical_engine=s["critical_engine"],
+                            cores_used=s["cores_used"]), timeline
 
     def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str) -> LayerTiming:
         """Time launches run back to back as one group."""

@@ -10,6 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
+from jalapeno_emu.errors import EmuError
+from jalapeno_emu.files import check_output_path
+
 JSON_SCHEMA_VERSION = 1
 """Bumped when a field of any command's --json output changes meaning or disappears."""
 
@@ -30,6 +33,18 @@ def _workers(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
     return n
+
+
+def output_file(text: str) -> str:
+    """The argparse ``type=`` of every output option (``-o``, ``--trace``, ``--csv``, ``--plot``):
+    :func:`jalapeno_emu.files.check_output_path` at parse time, so a path that cannot be written
+    (a directory, a FIFO, a device, a missing directory) is refused before any computing, naming
+    the path as given. Returns the text unchanged."""
+    try:
+        check_output_path(text)
+    except EmuError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_executor_options(p: argparse.ArgumentParser) -> None:

@@ -3,9 +3,10 @@
 ``asm FILE.jasm -o FILE.bin`` assembles, checks every instruction against the ISA table and
 writes the encoding, without instruction sources, so the bytes depend only on the program (the
 same text assembled anywhere, and asm -> disasm -> asm, give the same bytes); ``disasm FILE.bin
-[-o FILE.jasm]`` turns a binary back into assembly. Both write their output atomically (a
-temporary file in the same directory, then a rename), so a failed run leaves no partial file
-behind. Bad input is one ``error:`` line and exit status 2.
+[-o FILE.jasm]`` turns a binary back into assembly. Both check the output path before reading
+the input and write their output atomically (a temporary file in the same directory, then a
+rename), so a failed run leaves no partial file behind (:mod:`jalapeno_emu.files`). Bad input is
+one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from jalapeno_emu.cli.app import App
+from jalapeno_emu.cli.app import App, output_file
 from jalapeno_emu.errors import AssemblyError, InvalidArgumentError
-from jalapeno_emu.files import atomic_write
+from jalapeno_emu.files import atomic_write, check_output_paths
 from jalapeno_emu.isa.asm import assemble, disassemble, format_instruction
 from jalapeno_emu.isa.encoding import MAGIC, decode_program, encode_program
 from jalapeno_emu.isa.legality import check_program
@@ -26,14 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``asm`` and ``disasm`` commands."""
     p = sub.add_parser("asm", help="assemble a .jasm file into the binary program format")
     p.add_argument("file", metavar="FILE.jasm", help="assembly source")
-    p.add_argument("-o", "--output", metavar="FILE.bin",
+    p.add_argument("-o", "--output", metavar="FILE.bin", type=output_file,
                    help="where to write the binary (default: FILE with the suffix .bin)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(run=run_asm)
 
     d = sub.add_parser("disasm", help="disassemble a binary program into assembly text")
     d.add_argument("file", metavar="FILE.bin", help="binary written by `jalapeno-emu asm`")
-    d.add_argument("-o", "--output", metavar="FILE.jasm", help="write the assembly here instead of stdout")
+    d.add_argument("-o", "--output", metavar="FILE.jasm", type=output_file,
+                   help="write the assembly here instead of stdout")
     d.add_argument("--json", action="store_true", help="print the instructions as JSON")
     d.set_defaults(run=run_disasm)
 
@@ -50,33 +52,19 @@ def _read(path: Path) -> bytes:
         raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
-
-    Same directory: a rename is atomic only within one filesystem, and readers then see either
-    the old file or the whole new one.
-    """
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise InvalidArgumentError(f"{path}: directory {directory} does not exist")
-    if path.is_dir():
-        raise InvalidArgumentError(f"{path}: is a directory; give a file name with -o")
+def _write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (:func:`jalapeno_emu.files.atomic_write`:
+    a directory, FIFO or device there is refused, a symlink written through)."""
     try:
         atomic_write(path, lambda f: f.write(data))
     except OSError as exc:
         raise InvalidArgumentError(f"{path}: cannot write ({exc.strerror or exc})") from None
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
-
-
 def run_asm(app: App, args: argparse.Namespace) -> int:
     """Assemble, check and encode one file."""
     src = Path(args.file)
+    out = Path(args.output) if args.output else src.with_suffix(".bin")
     data = _read(src)
     if data.startswith(MAGIC):
         raise AssemblyError("this is a jalapeno-emu binary, not assembly text", source=str(src),
@@ -89,15 +77,15 @@ def run_asm(app: App, args: argparse.Namespace) -> int:
     except UnicodeDecodeError as exc:
         raise AssemblyError(f"byte {exc.start} is not UTF-8: this is not assembly text",
                             source=str(src)) from None
+    # Before assembling: -o was checked at parse time, the default path not; after the checks
+    # above, so that `asm K.bin` says it is a binary rather than that it would be overwritten.
+    check_output_paths([out], inputs=[src])
     program = assemble(text, source=str(src))
     check_program(program)  # assemble checks each line; this also covers the whole-program checks
     # No instruction sources: they hold the path as given, so the bytes would depend on the folder
     # the file was assembled from and would not survive asm -> disasm -> asm (isa/encoding.py).
     blob = encode_program(program, sources=False)
-    out = Path(args.output) if args.output else src.with_suffix(".bin")
-    if _same_file(out, src):
-        raise InvalidArgumentError(f"{out}: the output would overwrite the input; choose another -o")
-    _write_atomically(out, blob)
+    _write(out, blob)
     if app.json_output:
         app.emit_json("asm", {"kernel": program.name, "instructions": len(program.instructions),
                               "bytes": len(blob), "output": str(out)})
@@ -110,13 +98,12 @@ def run_asm(app: App, args: argparse.Namespace) -> int:
 def run_disasm(app: App, args: argparse.Namespace) -> int:
     """Decode one binary and print or write its assembly."""
     src = Path(args.file)
+    out = Path(args.output) if args.output else None
+    check_output_paths([out], inputs=[src])
     program = decode_program(_read(src), source=str(src))
     text = disassemble(program)
-    out = Path(args.output) if args.output else None
     if out is not None:
-        if _same_file(out, src):
-            raise InvalidArgumentError(f"{out}: the output would overwrite the input; choose another -o")
-        _write_atomically(out, text.encode("utf-8"))
+        _write(out, text.encode("utf-8"))
     if app.json_output:
         sems = dict(program.semaphores)
         app.emit_json("disasm", {

@@ -27,6 +27,7 @@ from jalapeno_emu.chip import (
     parse_quantity,
 )
 from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.emu import microbench, run_timing
 
 DEFAULT_PRESET = "jalapeno-v1"
@@ -46,8 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         cmd.add_argument("--preset", default=DEFAULT_PRESET,
                          help=f"shipped preset ({', '.join(list_presets())}) or a path to a TOML "
                               f"preset (default {DEFAULT_PRESET})")
-        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override one chip field, e.g. --set hbm.efficiency=0.85 (repeatable)")
+        add_key_value_option(cmd, "--set", dest="overrides", what="override chip fields",
+                             examples=("hbm.efficiency=0.85", "core.count=4"))
         cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
         cmd.set_defaults(run=run)
 

@@ -22,6 +22,7 @@ from jalapeno_emu.chip import (
     load_preset,
 )
 from jalapeno_emu.cli.app import App
+from jalapeno_emu.cli.options import add_key_value_option
 
 DEFAULT_PRESET = "jalapeno-v1"
 
@@ -36,9 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("preset", nargs="?", default=DEFAULT_PRESET,
                       help=f"shipped preset ({', '.join(list_presets())}) or a path to a TOML "
                            f"preset (default {DEFAULT_PRESET})")
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override one field, e.g. --set hbm.efficiency=0.85 or --set "
-                           "core.clock_hz=1.8GHz (repeatable)")
+    add_key_value_option(show, "--set", dest="overrides", what="override fields",
+                         examples=("hbm.efficiency=0.85", "core.clock_hz=1.8GHz"))
     show.add_argument("--json", action="store_true", help="print JSON instead of tables")
     show.set_defaults(run=run_show)
 

@@ -50,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "step (--numerics: MXFP4 quantisation of a gpt-oss-sized expert weight)")
     p.add_argument("--numerics", action="store_true", help="the MX numerics demo instead")
     p.add_argument("--tokens", type=int, default=8, help="tokens the tiny model generates (default 8)")
-    p.add_argument("--fmt", default="e2m1", help="--numerics: element format (default e2m1 = MXFP4)")
+    p.add_argument("--fmt", default="e2m1", help="--numerics: element format, in either spelling: "
+                   "e2m1 or fp4 (MXFP4, the default), e2m3 or fp6e2, e3m2 or fp6e3, e4m3 or fp8e4, "
+                   "e5m2 or fp8e5, int8")
     p.add_argument("--rows", type=int, default=HIDDEN, help="--numerics: contraction length (default 2880)")
     p.add_argument("--cols", type=int, default=GATE_UP, help="--numerics: output features (default 5760)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights")

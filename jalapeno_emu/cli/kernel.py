@@ -9,7 +9,8 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, load_preset
-from jalapeno_emu.cli.app import App
+from jalapeno_emu.cli.app import App, output_file
+from jalapeno_emu.cli.options import add_key_value_option
 
 LONG_RUN_INSTRUCTIONS = 20_000
 """Above this many instructions, ``kernel NAME`` without ``--timing-only`` warns on stderr (one
@@ -27,16 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernel", help="list the kernel library, or check and time one kernel")
     p.add_argument("name", help="'list', or a kernel name (see `kernel list`)")
     p.add_argument("--preset", default="tiny", help="chip preset (default tiny)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a chip spec field (repeatable)")
-    p.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE",
-                   help="shape key (repeatable), e.g. --shape m=1 --shape k=2880")
+    add_key_value_option(p, "--set", dest="overrides", what="override chip spec fields",
+                         examples=("core.count=4", "hbm.efficiency=0.85"))
+    add_key_value_option(p, "--shape", dest="shape", what="set shape keys (see `kernel list`; formats "
+                         "in either spelling, fp8e4 or e4m3)", examples=("m=1", "k=2880"))
     p.add_argument("--check", action="store_true",
                    help="also run functionally and compare with the pure-JAX reference")
     p.add_argument("--timing-only", action="store_true",
                    help="time only: no functional run and no race/uninitialised-read analysis "
                         "(legality, capacity and deadlocks are still checked); fast at full size")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 

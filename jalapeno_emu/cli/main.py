@@ -1,7 +1,7 @@
 """``jalapeno-emu``: the root command. Registers each command module and owns error handling.
 
 User errors (any ``EmuError``, a bad option) print one line and exit 2; only bugs print a
-traceback (exit 1).
+traceback (exit 1). No command at all prints the help on stderr and exits 2.
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            parser.print_help()
-            return 2
+            # A usage error, as argparse treats a missing required argument: the help (it lists the
+            # commands) goes to stderr, since stdout carries only a command's results, and exit 2.
+            # `jalapeno-emu --help` still prints it to stdout and exits 0.
+            parser.print_help(sys.stderr)
+            raise Abort("no command given; choose one of the commands above")
         app.json_output = bool(getattr(args, "json", False))
         if args.no_compile_cache:
             disable_compile_cache()

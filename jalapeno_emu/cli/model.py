@@ -8,7 +8,9 @@ from typing import Any
 from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, format_quantity, load_preset
-from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.cli.app import Abort, App, output_file
+from jalapeno_emu.cli.options import add_key_value_option
+from jalapeno_emu.files import check_output_paths
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -22,8 +24,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=0, help="prefill: tokens per chunk (0: the whole "
                    "prompt at once); chunk i attends to the i earlier chunks in the cache")
     p.add_argument("--preset", default="jalapeno-v1", help="chip preset (default jalapeno-v1)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a chip spec field (repeatable)")
+    add_key_value_option(p, "--set", dest="overrides", what="override chip spec fields",
+                         examples=("hbm.efficiency=0.85", "core.count=4"))
     p.add_argument("--routing", default="uniform", choices=("uniform", "any"),
                    help="MoE expert slots: expected distinct experts under uniform routing "
                         "(default) or enough for any routing")
@@ -32,7 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "layer), step (one persistent program per step); default: the preset's "
                         "software.fusion (jalapeno-v1: step, GPU presets: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the launches here")
+    p.add_argument("--trace", type=output_file,
+                   help="write a Chrome/Perfetto trace JSON of the launches here")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +88,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
     from jalapeno_emu.model import load_model_config
     from jalapeno_emu.model.timing import StepTimer
 
+    check_output_paths([args.trace], inputs=[args.model])  # --model may be a config.json
     cfg = load_model_config(args.model)
     spec = apply_overrides(load_preset(args.preset), args.overrides)
     return cfg, spec, StepTimer(spec), _steps(args)

@@ -14,9 +14,12 @@ import argparse
 import os
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
-from jalapeno_emu.cli.app import Abort, App, add_executor_options
+from jalapeno_emu.cli.app import Abort, App, add_executor_options, output_file
+from jalapeno_emu.errors import EmuError
+from jalapeno_emu.files import all_or_nothing, check_output_paths
 
 _POWER_KINDS = ("package", "sustained", "all_in")
 _DEFAULT_CONCURRENCIES = "1,2,4,8,16,32,64,128,256,512,1024"
@@ -91,8 +94,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=("throughput_tok_s_per_chip", *(f"tok_s_per_kw.{k}" for k in _POWER_KINDS)),
         help="frontier's y metric (default throughput_tok_s_per_chip)",
     )
-    p.add_argument("--plot", help="write the plot here (PNG; an SVG is written beside it)")
-    p.add_argument("--csv", help="write every point here")
+    p.add_argument("--plot", type=output_file, metavar="FILE.png|FILE.svg",
+                   help="write the plot here, in the format its suffix names: .png (an SVG of the same "
+                   "name is written beside it) or .svg")
+    p.add_argument("--csv", type=output_file, help="write every point here")
     add_executor_options(p)
     p.set_defaults(run=run_sweep)
 
@@ -230,9 +235,16 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_paths(path: str) -> tuple[str, str]:
+def _plot_paths(path: str) -> tuple[str | None, str]:
+    """(PNG, SVG) that ``--plot PATH`` writes: ``x.png`` gives x.png and x.svg beside it (as it
+    always has), ``x.svg`` gives x.svg alone; any other suffix is refused rather than guessed."""
     root, ext = os.path.splitext(path)
-    return (path if ext.lower() == ".png" else root + ".png"), root + ".svg"
+    if ext.lower() == ".png":
+        return path, root + ".svg"
+    if ext.lower() == ".svg":
+        return None, path
+    raise Abort(f"--plot {path}: the file name must end in .png (a PNG, with an SVG beside it) or .svg "
+                "(an SVG alone)")
 
 
 def run_sweep(app: App, args: argparse.Namespace) -> int:
@@ -244,6 +256,10 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.serving import pareto_front, plot_pareto, write_points_csv
 
     concs = _ints(args.concurrency, "--concurrency")
+    # Every output checked before the sweep (which can take an hour), not after it.
+    png, svg = _plot_paths(args.plot) if args.plot else (None, None)
+    check_output_paths({"--csv": args.csv, "--plot": png or svg,
+                        f"the SVG beside --plot {png}": svg if png else None}, inputs=[args.model])
     progress = Progress(
         TextColumn(f"{args.model} sweep"),
         BarColumn(),
@@ -273,11 +289,11 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     front = pareto_front(points, y=args.y)
     rows = [dict(p.as_dict()) for p in points]
     front_rows = [dict(p.as_dict()) for p in front]
-    if args.csv:
-        write_points_csv(points, args.csv)
-    if args.plot:
-        png, svg = _plot_paths(args.plot)
-        plot_pareto(points, png, svg, y=args.y, model_name=args.model, log_x=True)
+    with all_or_nothing():  # a plot that fails leaves no CSV behind, and the reverse
+        if args.csv:
+            write_points_csv(points, args.csv)
+        if args.plot:
+            plot_pareto(points, png, svg, y=args.y, model_name=args.model, log_x=True)
     if app.json_output:
         app.emit_json(
             "sweep",
@@ -320,6 +336,13 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
     if len(presets) < 2:
         raise Abort(f"--presets {args.presets!r} needs at least two presets")
     concs = _ints(args.concurrency, "--concurrency")
+    for preset in presets:
+        # A preset that does not load (a typo, a bad TOML) is the user's to fix before anything
+        # runs: one line now, not a status line, a table and a JSON "errors" entry later.
+        try:
+            _spec(args, preset)
+        except EmuError as exc:
+            raise Abort(f"--presets: {exc}") from None
     with executor(args.workers, args.scheduler) as ex:
         app.status(f"{args.model} on {', '.join(presets)}, concurrency {', '.join(map(str, concs))}")
         results, errors = compare_presets(
@@ -335,7 +358,8 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
             disk_cache=_cache(args),
             spec_overrides={"software.fusion": args.fusion} if args.fusion else None,
             executor=ex,
-            on_preset=lambda preset, error: app.status(f"{preset}: " + ("failed" if error else "done")),
+            on_preset=lambda preset, error: app.status(
+                f"{preset}: " + ("failed (the error is printed at the end)" if error else "done")),
         )
     ref = presets[0]
     rows = _compare_rows(results, ref, concs, args.power)
@@ -355,8 +379,11 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
         )
     else:
         _print_compare(app, args, presets, results, rows)
-        for preset, msg in errors.items():
-            app.err_console.print(f"[bold red]error:[/bold red] {preset}: {msg}", markup=True, soft_wrap=True)
+    # On stderr with --json too: the exit status says something failed, and a reader of the
+    # terminal (or a CI log) should see what without parsing stdout's "errors".
+    for preset, msg in errors.items():
+        app.err_console.print(f"[bold red]error:[/bold red] {escape(f'{preset}: {msg}')}", markup=True,
+                              soft_wrap=True)
     return 2 if errors else 0
 
 

@@ -10,10 +10,12 @@ import numpy as np
 from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, load_preset
-from jalapeno_emu.cli.app import Abort, App
+from jalapeno_emu.cli.app import Abort, App, output_file
+from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.files import check_output_paths
 from jalapeno_emu.isa.asm import assemble
 from jalapeno_emu.isa.encoding import decode_program
 from jalapeno_emu.isa.program import Program
@@ -25,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="check, execute and time a program (.jasm or .bin)")
     p.add_argument("file", help="assembly text (.jasm) or binary (.bin) program")
     p.add_argument("--preset", default=None, help="chip preset (default: the program's .preset)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a chip spec field, e.g. hbm.efficiency=0.85 (repeatable)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    add_key_value_option(p, "--set", dest="overrides", what="override chip spec fields",
+                         examples=("hbm.efficiency=0.85", "core.count=4"))
+    p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace JSON here")
     p.add_argument("--timing-only", action="store_true", help="skip the functional pass")
     p.add_argument("--debug", action="store_true",
                    help="fill memory nothing wrote with NaN bytes (0xFF) in the functional pass")
@@ -57,6 +59,7 @@ def load_program(path_text: str) -> Program:
 
 def run(app: App, args: argparse.Namespace) -> int:
     """Check, run functionally (unless --timing-only), time, and report."""
+    check_output_paths([args.trace], inputs=[args.file])  # `--trace K.jasm` would replace the program
     program = load_program(args.file)
     spec = apply_overrides(load_preset(args.preset or program.preset), args.overrides)
     check_program(program, spec)

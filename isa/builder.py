@@ -31,6 +31,7 @@ from typing import Any
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
+from jalapeno_emu.mx.formats import canonical_format, describe_formats
 
 from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
 from .table import DTYPES, TABLE, InstrSpec, Space
@@ -360,7 +361,12 @@ class KernelBuilder:
     def _tile(self, space: Space, core: int, name: str, shape: tuple[int, int], dtype: str,
               align: int, keep: bool = False) -> Tile:
         if dtype not in DTYPES:
-            raise InvalidArgumentError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+            # The MX spellings ("e2m1", "e4m3", "bfloat16") name the same stored types.
+            canonical = canonical_format(dtype, DTYPES)
+            if canonical is None:
+                raise InvalidArgumentError(
+                    f"dtype={dtype!r} is not one of {describe_formats(sorted(DTYPES))}")
+            dtype = canonical
         rows, cols = shape
         nbytes = rows * DTYPES[dtype].row_bytes(cols)
         off = self._alloc(space, core, name, nbytes, align, keep)
@@ -397,8 +403,12 @@ class KernelBuilder:
         return self._tile(Space.ACC, core, name, shape, "f32", _SRAM_ALIGN)
 
     def _mx(self, space, core, name, shape, fmt, axis, align, keep: bool = False) -> MXTensor:
-        if DTYPES.get(fmt) is None or DTYPES[fmt].mx_fmt is None:
-            raise InvalidArgumentError(f"fmt={fmt!r} is not an MX element dtype (fp4, fp8e4, fp8e5)")
+        mx_dtypes = [d.name for d in DTYPES.values() if d.mx_fmt is not None]
+        canonical = canonical_format(fmt, mx_dtypes)  # "e2m1" is "fp4", "e4m3" is "fp8e4"
+        if canonical is None:
+            raise InvalidArgumentError(
+                f"fmt={fmt!r} is not an MX element dtype ({describe_formats(mx_dtypes)})")
+        fmt = canonical
         rows, cols = shape
         if axis not in (0, 1) or shape[axis] % 32:
             raise InvalidArgumentError(f"axis={axis}: MX tensors of shape {shape} need that axis "

@@ -14,6 +14,7 @@ from typing import Any
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.program import Program
+from jalapeno_emu.mx.formats import canonical_format, describe_formats
 
 __all__ = ["ROLES", "KernelBuild", "KernelDef", "ShapeKey", "TensorSpec", "Tolerance"]
 
@@ -27,7 +28,9 @@ class ShapeKey:
         type: int, float, str or bool.
         default: the small default used by ``kernel NAME`` and the tests.
         doc: one line.
-        choices: allowed values for str keys (empty: any).
+        choices: allowed values for str keys (empty: any). A format key's choices are the ISA
+            spellings ("fp4", "fp8e4", "bf16"); the MX spellings ("e2m1", "e4m3", "bfloat16")
+            are accepted for them and normalised to the choice (``jalapeno_emu.mx.formats``).
         minimum: smallest allowed int (None: no bound).
     """
 
@@ -55,16 +58,23 @@ class ShapeKey:
         except ValueError:
             raise InvalidArgumentError(
                 f"shape key {self.name}={text!r} is not a valid {self.type.__name__}") from None
-        self.check(value)
+        return self.normalize(value)
+
+    def normalize(self, value: Any) -> Any:
+        """``value`` as this key stores it (a format in its canonical spelling); raises like ``check``."""
+        if self.choices:
+            canonical = canonical_format(value, self.choices)
+            if canonical is None:
+                raise InvalidArgumentError(
+                    f"shape key {self.name}={value!r} is not one of {describe_formats(self.choices)}")
+            value = canonical
+        if self.minimum is not None and value < self.minimum:
+            raise InvalidArgumentError(f"shape key {self.name}={value} must be >= {self.minimum}")
         return value
 
     def check(self, value: Any) -> None:
-        """Raise InvalidArgumentError when ``value`` is out of this key's range."""
-        if self.choices and value not in self.choices:
-            raise InvalidArgumentError(
-                f"shape key {self.name}={value!r} is not one of {list(self.choices)}")
-        if self.minimum is not None and value < self.minimum:
-            raise InvalidArgumentError(f"shape key {self.name}={value} must be >= {self.minimum}")
+        """Raise InvalidArgumentError when ``value`` is out of this key's range (either format spelling)."""
+        self.normalize(value)
 
 
 @dataclass(frozen=True)
@@ -170,15 +180,18 @@ class KernelDef:
 
     def shape(self, overrides: Mapping[str, Any] | None = None,
               texts: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-        """Default shape updated with typed ``overrides`` and ``key=value`` ``texts``."""
+        """Default shape updated with typed ``overrides`` and ``key=value`` ``texts``.
+
+        Format keys come back in the kernel's spelling whichever one was given (``act_fmt="e4m3"``
+        is stored as ``"fp8e4"``), so builds, plans and reports see one name per format.
+        """
         keys = {k.name: k for k in self.shape_keys}
         shape = self.defaults()
         for name, value in (overrides or {}).items():
             if name not in keys:
                 raise InvalidArgumentError(
                     f"kernel {self.name} has no shape key {name!r}; keys: {sorted(keys)}")
-            keys[name].check(value)
-            shape[name] = value
+            shape[name] = keys[name].normalize(value)
         for text in texts:
             name, sep, raw = text.partition("=")
             if not sep:

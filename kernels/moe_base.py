@@ -35,7 +35,6 @@ from .moe_routing import RoutingDims
 
 __all__ = [
     "BIAS_PARTS",
-    "MX_FMT",
     "SWIGLU_ALPHA",
     "SWIGLU_LIMIT",
     "Counter",
@@ -67,8 +66,6 @@ SWIGLU_ALPHA = 1.702
 """gpt-oss swiglu: glu * sigmoid(alpha * glu)."""
 SWIGLU_LIMIT = 7.0
 """gpt-oss swiglu_limit (config): glu <= 7, -7 <= linear <= 7."""
-MX_FMT = {"fp8e4": "e4m3", "fp4": "e2m1"}
-"""act_fmt -> mx element format ("bf16": no quantisation)."""
 BIAS_PARTS = 3
 """A gate weight as hi + mid + lo BF16 parts: exact for FP32 (3 x 8 significand bits)."""
 
@@ -267,7 +264,8 @@ def weight_cols(g: mx.MXArray, u: mx.MXArray, c0: int, w: int) -> mx.MXArray:
 
 def quant_reference(v: Any, act_fmt: str) -> Any:
     """Activations as the matrix unit takes them: BF16, or MX blocked along columns."""
-    return v.astype(jnp.bfloat16) if act_fmt == "bf16" else mx.quantize(v, MX_FMT[act_fmt], axis=1)
+    # mx takes the kernels' spelling ("fp8e4" is "e4m3": jalapeno_emu.mx.formats), so no table here.
+    return v.astype(jnp.bfloat16) if act_fmt == "bf16" else mx.quantize(v, act_fmt, axis=1)
 
 
 def _matmul_acc(acc: jax.Array, a: Any, b: mx.MXArray, act_fmt: str) -> jax.Array:

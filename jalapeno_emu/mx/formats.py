@@ -10,6 +10,7 @@ of 2^-6 (value = int8 / 64). E8M0 scale byte ``b`` means 2^(b - 127); 0xFF is Na
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -20,10 +21,14 @@ from jalapeno_emu.errors import InvalidArgumentError
 
 __all__ = [
     "FORMATS",
+    "FORMAT_SPELLINGS",
     "SCALE_BIAS",
     "SCALE_NAN",
     "ElementFormat",
+    "canonical_format",
+    "describe_formats",
     "element_format",
+    "format_spellings",
 ]
 
 SCALE_BIAS = 127
@@ -141,21 +146,69 @@ FORMATS: dict[str, ElementFormat] = {
 }
 
 
+# The one table of format spellings. This package names element formats by their bit layout
+# ("e2m1"); the ISA, the kernels' shape keys and the model configs name the stored type ("fp4",
+# "fp8e4", "bf16"). Users meet both, so every boundary accepts either spelling and normalises to
+# its own layer's canonical one (``canonical_format``); internal code and JSON outputs keep using
+# the canonical names. The ISA's ``DTYPES[...].mx_fmt`` must agree with these rows (tested).
+FORMAT_SPELLINGS: tuple[tuple[str, ...], ...] = (
+    ("e2m1", "fp4"),  # MXFP4 elements
+    ("e2m3", "fp6e2"),  # MXFP6 elements (no ISA type yet)
+    ("e3m2", "fp6e3"),
+    ("e4m3", "fp8e4"),  # MXFP8 elements
+    ("e5m2", "fp8e5"),
+    ("bf16", "bfloat16"),  # not an MX format: kernels take it where they take fp4/fp8e4
+)
+_SPELLING_GROUP: dict[str, tuple[str, ...]] = {name: group for group in FORMAT_SPELLINGS for name in group}
+
+
+def format_spellings(name: str) -> tuple[str, ...]:
+    """Every spelling of the format ``name`` (``("e2m1", "fp4")`` for either); ``(name,)`` if it has one."""
+    return _SPELLING_GROUP.get(name, (name,)) if isinstance(name, str) else ()
+
+
+def canonical_format(value: object, choices: Iterable[str]) -> str | None:
+    """The member of ``choices`` that names the same format as ``value``, or None.
+
+    ``choices`` are one layer's canonical names (``FORMATS`` here; ``("fp4", "fp8e4", "bf16")``
+    for a kernel shape key), so ``canonical_format("e4m3", ("bf16", "fp8e4"))`` is ``"fp8e4"``
+    and ``canonical_format("fp8e4", FORMATS)`` is ``"e4m3"``. Spelling is case-sensitive.
+    """
+    if not isinstance(value, str):
+        return None
+    if value in choices:  # the common case: already canonical, no alias lookup
+        return value
+    for spelling in _SPELLING_GROUP.get(value, ()):
+        if spelling in choices:
+            return spelling
+    return None
+
+
+def describe_formats(choices: Iterable[str]) -> str:
+    """``choices`` for a message, each with its other spellings: "fp4 (or e2m1), bf16 (or bfloat16)"."""
+    parts = []
+    for name in choices:
+        others = [s for s in format_spellings(name) if s != name]
+        parts.append(f"{name} (or {', '.join(others)})" if others else name)
+    return ", ".join(parts)
+
+
 def element_format(fmt: str | ElementFormat, *, argname: str = "fmt") -> ElementFormat:
-    """Look up an element format by name.
+    """Look up an element format by name, in either spelling (``"e2m1"`` or ``"fp4"``).
 
     Args:
-        fmt: a format name (see ``FORMATS``) or an ``ElementFormat``.
+        fmt: a format name (see ``FORMATS`` and ``FORMAT_SPELLINGS``) or an ``ElementFormat``.
         argname: the caller's argument name, used in the error message.
 
     Raises:
-        InvalidArgumentError: the name is unknown.
+        InvalidArgumentError: the name is unknown (also for a non-string).
     """
     if isinstance(fmt, ElementFormat):
         return fmt
-    try:
-        return FORMATS[fmt]
-    except (KeyError, TypeError):
+    name = canonical_format(fmt, FORMATS)
+    if name is None:
         raise InvalidArgumentError(
-            f"{argname}={fmt!r} is not an MX element format; expected one of {sorted(FORMATS)}"
-        ) from None
+            f"{argname}={fmt!r} is not an MX element format; expected one of "
+            f"{describe_formats(FORMATS)}"
+        )
+    return FORMATS[name]

@@ -49,6 +49,7 @@ from jalapeno_emu.mx._intfloat import (
     int_times_pow2_to_f32_bits,
     round_to_grid,
 )
+from jalapeno_emu.mx._validate import as_array, check_int, describe
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.formats import SCALE_BIAS, SCALE_NAN, ElementFormat, element_format
 from jalapeno_emu.mx.quantize import element_values
@@ -65,9 +66,11 @@ def block_sum_is_exact_in_f32(fa: str, fb: str, block_size: int = 32) -> bool:
     """True when any-order float32 summation of one block's products is exact for this pair.
 
     Args:
-        fa, fb: element format names; block_size: elements per block.
+        fa, fb: element format names (either spelling: "e2m1" or "fp4"); block_size: elements
+            per block.
     """
-    a, b = element_format(fa), element_format(fb)
+    a, b = element_format(fa, argname="fa"), element_format(fb, argname="fb")
+    check_int(block_size, "block_size", minimum=1)
     return a.max_units * b.max_units * block_size < 2**_F32_EXACT_INT_BITS
 
 
@@ -78,7 +81,7 @@ def _limb_bits(block_size: int) -> int:
 
 def _check_operand(x: object, name: str, blocked_axis: int) -> MXArray:
     if not isinstance(x, MXArray):
-        raise InvalidTypeError(f"{name} must be an MXArray (see mx.quantize), got {type(x).__name__}")
+        raise InvalidTypeError(f"{name} must be an MXArray (see mx.quantize), got {describe(x)}")
     x.validate(argname=name)
     if x.ndim != 2:
         raise InvalidArgumentError(f"{name} must be 2-D, got shape {x.shape}")
@@ -118,7 +121,7 @@ def matmul_accumulate(acc: jax.Array, a: MXArray, b: MXArray) -> jax.Array:
         float32[M, N].
     """
     m, n = _check_pair(a, b)
-    acc = jnp.asarray(acc)
+    acc = as_array(acc, "acc", f"a float32 array of shape {(m, n)}")
     if acc.shape != (m, n) or acc.dtype != jnp.float32:
         raise InvalidArgumentError(f"acc must be float32{[m, n]}, got {acc.dtype}{list(acc.shape)}")
     return _matmul_jit(a, b, acc)

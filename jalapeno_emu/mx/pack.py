@@ -6,22 +6,17 @@ import jax
 import jax.numpy as jnp
 
 from jalapeno_emu.errors import InvalidArgumentError, InvalidTypeError
+from jalapeno_emu.mx._validate import as_array, check_axis
 from jalapeno_emu.mx.array import MXArray
 
 __all__ = ["from_gpt_oss", "pack_fp4", "unpack_fp4"]
 
 
 def _uint8(a: jax.Array, argname: str) -> jax.Array:
-    a = jnp.asarray(a)
+    a = as_array(a, argname, "a uint8 array")
     if a.dtype != jnp.uint8:
-        raise InvalidTypeError(f"{argname} must be uint8, got {a.dtype}")
+        raise InvalidTypeError(f"{argname} must be a uint8 array, got dtype {a.dtype}")
     return a
-
-
-def _axis(a: jax.Array, axis: int, argname: str) -> int:
-    if a.ndim == 0 or not -a.ndim <= axis < a.ndim:
-        raise InvalidArgumentError(f"axis={axis} is out of range for {argname} of shape {a.shape}")
-    return axis % a.ndim
 
 
 def pack_fp4(codes: jax.Array, axis: int = -1) -> jax.Array:
@@ -33,22 +28,33 @@ def pack_fp4(codes: jax.Array, axis: int = -1) -> jax.Array:
 
     Returns:
         uint8[..., n, ...]. This is the layout of the gpt-oss checkpoints' ``*_blocks`` tensors.
+
+    Raises:
+        InvalidTypeError: ``codes`` is not a uint8 array, or ``axis`` not an int.
+        InvalidArgumentError: ``axis`` out of range, or an odd length along it.
     """
     codes = _uint8(codes, "codes")
-    ax = _axis(codes, axis, "codes")
+    ax = check_axis(axis, tuple(codes.shape), "codes")
     if codes.shape[ax] % 2:
         raise InvalidArgumentError(
             f"codes has odd length {codes.shape[ax]} along axis {ax}; pack_fp4 needs pairs"
         )
+    if codes.shape[ax] == 0:  # a strided slice of an empty axis is refused by lax; no pairs, no bytes
+        return codes
     lo = jax.lax.slice_in_dim(codes, 0, None, 2, axis=ax) & 0xF
     hi = jax.lax.slice_in_dim(codes, 1, None, 2, axis=ax) & 0xF
     return lo | (hi << 4)
 
 
 def unpack_fp4(packed: jax.Array, axis: int = -1) -> jax.Array:
-    """Inverse of ``pack_fp4``: uint8[..., n, ...] -> uint8[..., 2n, ...] codes (low nibble first)."""
+    """Inverse of ``pack_fp4``: uint8[..., n, ...] -> uint8[..., 2n, ...] codes (low nibble first).
+
+    Raises:
+        InvalidTypeError: ``packed`` is not a uint8 array, or ``axis`` not an int.
+        InvalidArgumentError: ``axis`` out of range.
+    """
     packed = _uint8(packed, "packed")
-    ax = _axis(packed, axis, "packed")
+    ax = check_axis(axis, tuple(packed.shape), "packed")
     pair = jnp.stack([packed & 0xF, packed >> 4], axis=ax + 1)
     shape = list(packed.shape)
     shape[ax] *= 2
@@ -64,6 +70,10 @@ def from_gpt_oss(blocks: jax.Array, scales: jax.Array) -> MXArray:
 
     Returns:
         MXArray of shape [..., G * 32], fmt "e2m1", blocked by 32 along the last axis.
+
+    Raises:
+        InvalidTypeError: either is not a uint8 array.
+        InvalidArgumentError: the shapes are not [..., G, 16] and [..., G].
     """
     blocks = _uint8(blocks, "blocks")
     scales = _uint8(scales, "scales")

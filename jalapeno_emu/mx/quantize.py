@@ -25,6 +25,7 @@ from jalapeno_emu.mx._intfloat import (
     round_to_grid,
     shift_right_round,
 )
+from jalapeno_emu.mx._validate import as_array, check_axis, check_int, check_prng_key, describe
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.formats import SCALE_BIAS, SCALE_NAN, ElementFormat, element_format
 from jalapeno_emu.mx.scale import SCALE_MODES, shared_exponent
@@ -36,8 +37,8 @@ _FLOAT_INPUTS = (np.float16, np.float32, np.float64)
 
 
 def _check_float_input(x: jax.Array, argname: str) -> None:
-    dt = np.dtype(x.dtype)
-    if dt == jnp.bfloat16 or dt.type in _FLOAT_INPUTS:
+    dt = x.dtype  # compared, not converted: np.dtype() refuses JAX's PRNG key dtypes
+    if dt == jnp.bfloat16 or getattr(dt, "type", None) in _FLOAT_INPUTS:
         return
     raise InvalidTypeError(
         f"{argname} has dtype {dt}; MX quantisation takes real floating point "
@@ -45,14 +46,11 @@ def _check_float_input(x: jax.Array, argname: str) -> None:
     )
 
 
-def _check_blocking(shape: tuple[int, ...], axis: int, block_size: object) -> int:
+def _check_blocking(shape: tuple[int, ...], axis: object, block_size: object) -> int:
     if not shape:
         raise InvalidArgumentError("x is 0-d; MX quantisation needs an axis to block along")
-    if not isinstance(axis, int | np.integer) or not -len(shape) <= axis < len(shape):
-        raise InvalidArgumentError(f"axis={axis!r} is out of range for x of shape {shape}")
-    ax = int(axis) % len(shape)
-    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
-        raise InvalidTypeError(f"block_size={block_size!r} must be an int")
+    ax = check_axis(axis, shape, "x")
+    check_int(block_size, "block_size")
     if block_size <= 0 or shape[ax] % block_size:
         raise InvalidArgumentError(
             f"block_size={block_size} must divide axis {ax} of x (length {shape[ax]})"
@@ -75,7 +73,8 @@ def quantize(
     Args:
         x: float32/bfloat16/float16[*shape] (float64 is rounded to float32 first).
         fmt: element format: "e2m1" (MXFP4), "e2m3", "e3m2" (MXFP6), "e4m3", "e5m2" (MXFP8),
-            "int8" (MXINT8).
+            "int8" (MXINT8); the ISA spellings "fp4", "fp6e2", "fp6e3", "fp8e4", "fp8e5" are the
+            same formats (the result's ``fmt`` is always the name above).
         axis: the axis whose consecutive runs of ``block_size`` elements share one scale.
         block_size: elements per block; must divide ``x.shape[axis]``.
         scale_mode: "floor" (OCP v1.0), "ceil", "even" or "rceil"; see ``jalapeno_emu.mx.scale``.
@@ -88,6 +87,13 @@ def quantize(
         Out-of-range elements saturate to +-max_normal; a block holding NaN or Inf gets scale
         0xFF and zero codes; an all-zero block gets scale 0x00 (negative zeros keep their sign bit).
 
+    Raises:
+        InvalidTypeError: ``x`` is not an array of real floats (None, text, a mapping, an object
+            or integer array), ``axis`` or ``block_size`` is not an int, or ``key`` is not a PRNG
+            key when stochastic rounding needs one.
+        InvalidArgumentError: ``x`` is ragged or 0-d, ``axis`` is out of range, ``block_size``
+            does not divide that axis, or ``fmt``/``scale_mode``/``rounding`` is unknown.
+
     Works under ``jax.jit`` and ``jax.vmap`` (all arguments but ``x`` and ``key`` are static).
 
     Example:
@@ -95,16 +101,19 @@ def quantize(
         >>> q.scales.tolist(), dequantize(q).tolist()
         ([[131]], [[0.0, -0.0, 8.0, 96.0]])
     """
-    x = jnp.asarray(x)
+    x = as_array(x, "x", "an array of real floats (float32, bfloat16, float16 or float64)")
     _check_float_input(x, "x")
     f = element_format(fmt)
     ax = _check_blocking(tuple(x.shape), axis, block_size)
-    if scale_mode not in SCALE_MODES:
+    # isinstance first: `in` on a tuple compares with ==, which an array argument would broadcast.
+    if not isinstance(scale_mode, str) or scale_mode not in SCALE_MODES:
         raise InvalidArgumentError(f"scale_mode={scale_mode!r} is not one of {SCALE_MODES}")
-    if rounding not in ROUNDINGS:
+    if not isinstance(rounding, str) or rounding not in ROUNDINGS:
         raise InvalidArgumentError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
-    if rounding == "stochastic" and key is None:
-        raise InvalidArgumentError("rounding='stochastic' needs key= (a JAX PRNG key)")
+    if rounding == "stochastic":
+        if key is None:
+            raise InvalidArgumentError("rounding='stochastic' needs key= (a JAX PRNG key)")
+        check_prng_key(key)
     codes, scales = _quantize_jit(
         x, key if rounding == "stochastic" else None,
         fmt=f.name, axis=ax, block_size=int(block_size), scale_mode=scale_mode, rounding=rounding,
@@ -206,11 +215,31 @@ def dequantize(q: MXArray, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     Returns:
         dtype[*q.shape]; NaN for every element of a block whose scale is 0xFF, and for NaN element
         codes (E4M3/E5M2); +-Inf for E5M2 Inf codes.
+
+    Raises:
+        InvalidTypeError: ``q`` is not an MXArray (or its leaves not uint8 arrays), or ``dtype``
+            is not a floating-point dtype.
+        InvalidArgumentError: ``q``'s fields disagree (see ``MXArray.validate``).
     """
+    if not isinstance(q, MXArray):
+        raise InvalidTypeError(f"q must be an MXArray (see mx.quantize), got {describe(q)}")
     q.validate(argname="q")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise InvalidTypeError(f"dtype={dtype!r} must be a floating-point dtype")
-    return _dequantize_jit(q, np.dtype(dtype).name)
+    return _dequantize_jit(q, _float_dtype_name(dtype))
+
+
+def _float_dtype_name(dtype: object) -> str:
+    """The name of a floating-point ``dtype`` given as a type, dtype or string; None means float32."""
+    if dtype is None:  # numpy reads None as float64, which JAX (without x64) would narrow anyway
+        return "float32"
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # not a dtype at all ("bogus", an object)
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise InvalidTypeError(
+            f"dtype={dtype!r} must be a floating-point dtype (float32, bfloat16, float16)"
+        )
+    return dt.name
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

@@ -6,7 +6,7 @@ the table drift apart.
 
 from __future__ import annotations
 
-from jalapeno_emu.mx.formats import FORMATS, SCALE_BIAS, ElementFormat
+from jalapeno_emu.mx.formats import FORMATS, SCALE_BIAS, ElementFormat, format_spellings
 
 _SPECIALS = {
     "e2m1": "none (no Inf, no NaN)",
@@ -29,6 +29,9 @@ def _block(f: ElementFormat) -> list[str]:
     else:
         lines.append(f"- encoding: `0b{'S' + 'E' * f.ebits + 'M' * f.mbits}` in the low "
                      f"{f.bits} bits of a uint8 code; exponent bias {f.bias}")
+    others = [name for name in format_spellings(f.name) if name != f.name]
+    if others:
+        lines.append(f"- also spelled: {', '.join(f'`{n}`' for n in others)}")
     lines += [
         f"- emax (OCP): {f.emax}; largest magnitude: {_fmt_value(f.decode(f.max_code_mag))} "
         f"(code 0x{f.max_code_mag:02X})",

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.errors import InvalidArgumentError, InvalidTypeError
+from jalapeno_emu.mx._validate import as_host_array, describe
 
 __all__ = ["ErrorStats", "error_stats", "ulp_distance"]
 
@@ -75,8 +76,11 @@ def ulp_distance(approx: np.ndarray, reference: np.ndarray, fmt: str = "float32"
     Returns:
         int64 array; -1 where either side is not finite in ``fmt``. +0 and -0 are 0 apart.
     """
-    if fmt not in _ULP_FORMATS:
+    if not isinstance(fmt, str) or fmt not in _ULP_FORMATS:
         raise InvalidArgumentError(f"ulp_format={fmt!r} is not one of {sorted(_ULP_FORMATS)}")
+    approx, reference = _real(approx, "approx"), _real(reference, "reference")
+    if approx.shape != reference.shape:
+        raise InvalidArgumentError(f"approx has shape {approx.shape} but reference has {reference.shape}")
     ftype, itype = _ULP_FORMATS[fmt]
     a = np.asarray(approx, np.float32).astype(ftype)
     r = np.asarray(reference, np.float32).astype(ftype)
@@ -84,6 +88,14 @@ def ulp_distance(approx: np.ndarray, reference: np.ndarray, fmt: str = "float32"
     d = np.abs(_ordered(a.view(itype), width) - _ordered(r.view(itype), width))
     finite = np.isfinite(a.astype(np.float32)) & np.isfinite(r.astype(np.float32))
     return np.where(finite, d, -1)
+
+
+def _real(value: object, argname: str) -> np.ndarray:
+    """``value`` as a numpy array of real numbers (complex would lose its imaginary part silently)."""
+    arr = as_host_array(value, argname, "an array of real numbers")
+    if arr.dtype.kind == "c":
+        raise InvalidTypeError(f"{argname} must be an array of real numbers, got {describe(value)}")
+    return arr
 
 
 def _histogram(dist: np.ndarray) -> dict[str, int]:
@@ -119,11 +131,12 @@ def error_stats(approx, reference, *, ulp_format: str = "float32") -> ErrorStats
         ErrorStats. Statistics other than the ULP histogram are computed in float64 over the
         pairs where both sides are finite.
     """
-    a = np.asarray(approx).astype(np.float64)
-    r = np.asarray(reference).astype(np.float64)
+    approx, reference = _real(approx, "approx"), _real(reference, "reference")
+    a = approx.astype(np.float64)
+    r = reference.astype(np.float64)
     if a.shape != r.shape:
         raise InvalidArgumentError(f"approx has shape {a.shape} but reference has {r.shape}")
-    if ulp_format not in _ULP_FORMATS:
+    if not isinstance(ulp_format, str) or ulp_format not in _ULP_FORMATS:
         raise InvalidArgumentError(f"ulp_format={ulp_format!r} is not one of {sorted(_ULP_FORMATS)}")
     ok = np.isfinite(a) & np.isfinite(r)
     a_f, r_f = a[ok], r[ok]

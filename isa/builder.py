@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import sys
@@ -29,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
-from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError
+from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError, InvalidTypeError
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.mx.formats import canonical_format, describe_formats
 
 from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
 from .table import DTYPES, TABLE, InstrSpec, Space
 
-__all__ = ["CoreHandle", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore"]
+__all__ = ["CoreHandle", "DmaQueues", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore"]
 
 _HBM_ALIGN = 4096  # allocations start on a page so that tiles map to channels predictably
 _SRAM_ALIGN = 64
@@ -138,8 +139,13 @@ class EngineHandle:
         """Issue ``mnemonic`` with operands given positionally (table order) or by name."""
         row = next((s for s in TABLE if s.mnemonic == mnemonic), None)
         if row is None:
-            raise IllegalInstruction(f"unknown instruction {mnemonic!r}", engine=str(self.engine),
-                                     source=_caller_source())
+            text = str(mnemonic)
+            op = _operation_of(TABLE, text.split(".")[-1])  # "vec.exp": an operation of vec.unary
+            near = ([f'{op.mnemonic} with {op.operands[0].name}="{text.split(".")[-1]}"'] if op
+                    else difflib.get_close_matches(text, [s.mnemonic for s in TABLE], n=3))
+            raise IllegalInstruction(f"unknown instruction {mnemonic!r}"
+                                     + (f"; did you mean {' or '.join(near)}?" if near else ""),
+                                     engine=str(self.engine), source=_caller_source())
         return self._kb._issue(self.engine, row, args, kwargs, _caller_source())
 
     def __getattr__(self, name: str) -> Any:
@@ -163,17 +169,25 @@ class EngineHandle:
         elif name in _UNARY_OPS and "unary" in rows:
             unary = _LAYOUTS[rows["unary"].mnemonic]
 
-            def method(dst: Tile, src: Tile) -> Instruction:
-                return unary.issue(kb, engine, (name, dst, src), _source_of_caller())
+            # *a rather than (dst, src): a wrong call then fails as a project error that names
+            # the instruction, not as a TypeError about this closure; the check costs one len().
+            def method(*a: Any, **k: Any) -> Instruction:
+                if k or len(a) != 2:
+                    a = _bind_short(engine, unary, name, a, k, _source_of_caller())
+                return unary.issue(kb, engine, (name, *a), _source_of_caller())
         elif name in _BINARY_OPS and "binary" in rows:
             binary = _LAYOUTS[rows["binary"].mnemonic]
 
-            def method(dst: Tile, a: Tile, b: Tile) -> Instruction:
-                return binary.issue(kb, engine, (name, dst, a, b), _source_of_caller())
+            def method(*a: Any, **k: Any) -> Instruction:
+                if k or len(a) != 3:
+                    a = _bind_short(engine, binary, name, a, k, _source_of_caller())
+                return binary.issue(kb, engine, (name, *a), _source_of_caller())
+        elif name.startswith("_") or not rows:
+            # Protocol probes (copy's __deepcopy__, pickle's __getstate__) and a half-built
+            # handle: the plain error, at once.
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         else:
-            raise AttributeError(
-                f"engine {self.engine} has no instruction {name!r}; it takes {sorted(rows)}"
-            )
+            raise AttributeError(_unknown_instruction(engine, rows, name))
         kb = self._kb
         self.__dict__[name] = method
         return method
@@ -188,12 +202,37 @@ class EngineHandle:
                                _caller_source())
 
 
+class DmaQueues(list):
+    """A core's DMA queue handles, ``core.dma[q]``: a list whose out-of-range index is the
+    project's error, naming how many queues the chip has (a bare ``IndexError`` named neither)."""
+
+    __slots__ = ("chip", "core")
+
+    def __init__(self, handles: list[EngineHandle], chip: str, core: int) -> None:
+        super().__init__(handles)
+        self.chip, self.core = chip, core
+
+    def __getitem__(self, index: Any) -> Any:
+        try:
+            return list.__getitem__(self, index)
+        except IndexError:
+            n = len(self)
+            raise InvalidArgumentError(
+                f"dma[{index}] does not exist: core {self.core} of {self.chip} has {n} DMA queues, "
+                f"dma[0]..dma[{n - 1}]", hint="the count is the preset's dma.queues_per_core; "
+                "len(core.dma) gives it") from None
+        except TypeError:
+            raise InvalidTypeError(f"dma[{index!r}]: a DMA queue index must be an integer (or a "
+                                   f"slice), not {type(index).__name__}") from None
+
+
 class CoreHandle:
     """The engines of one core: ``dma[q]``, ``mxu``, ``vpu``."""
 
     def __init__(self, builder: KernelBuilder, core: int, queues: int) -> None:
         self.index = core
-        self.dma = [EngineHandle(builder, Engine(core, "dma", q)) for q in range(queues)]
+        self.dma = DmaQueues([EngineHandle(builder, Engine(core, "dma", q)) for q in range(queues)],
+                             builder.chip.name, core)
         self.mxu = EngineHandle(builder, Engine(core, "mxu"))
         self.vpu = EngineHandle(builder, Engine(core, "vpu"))
 
@@ -468,24 +507,95 @@ _U32_MAX = 2**32 - 1
 _I32_MAX = 2**31 - 1
 
 
+def _usage(row: InstrSpec) -> str:
+    """How ``row`` is called: ``vec.unary(op, dst, src)``, ``sem.signal(sem, count=1)``."""
+    operands = (op.name if not op.optional else f"{op.name}={op.default!r}" for op in row.operands)
+    return f"{row.mnemonic}({', '.join(operands)})"
+
+
 def _bind(engine: Engine, row: InstrSpec, layout: _Layout, args: tuple, kwargs: dict,
           source: str) -> list:
     """Operand values in table order from positional and keyword arguments (_MISSING where absent)."""
     names = layout.names
     if len(args) > len(names):
         raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
-                                 f"got {len(args)}", engine=str(engine), source=source)
+                                 f"got {len(args)}: {_usage(row)}", engine=str(engine), source=source)
     values = list(args) + [_MISSING] * (len(names) - len(args))
     for name, value in kwargs.items():
         if name not in names:
-            raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}",
-                                     engine=str(engine), source=source)
+            raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}: "
+                                     f"{_usage(row)}", engine=str(engine), source=source)
         i = names.index(name)
         if values[i] is not _MISSING:
-            raise IllegalInstruction(f"operand {name!r} given twice", engine=str(engine),
+            raise IllegalInstruction(f"operand {name!r} given twice: {_usage(row)}", engine=str(engine),
                                      source=source)
         values[i] = value
     return values
+
+
+def _bind_short(engine: Engine, layout: _Layout, op: str, args: tuple, kwargs: dict,
+                source: str) -> tuple:
+    """The operands after ``op`` of a short form (``vpu.exp(dst, src)`` is
+    ``vec.unary("exp", dst, src)``) from positional and keyword arguments, for the calls the
+    short form's fast path does not take; a wrong call raises naming both spellings."""
+    row, names = layout.row, layout.names[1:]
+    values = list(args[:len(names)]) + [_MISSING] * (len(names) - len(args))
+    problem = f"got {len(args)} operands" if len(args) > len(names) else None
+    for name, value in kwargs.items():
+        if problem is not None:
+            break
+        if name not in names:
+            problem = (f"the operation is {op!r} already" if name == row.operands[0].name
+                       else f"it has no operand {name!r}")
+        elif values[names.index(name)] is not _MISSING:
+            problem = f"operand {name!r} given twice"
+        else:
+            values[names.index(name)] = value
+    missing = [n for n, v in zip(names, values, strict=True) if v is _MISSING]
+    if problem is None and missing:
+        problem = f"operand {', '.join(map(repr, missing))} missing"
+    if problem is not None:
+        listed = ", ".join(names)
+        raise IllegalInstruction(
+            f'{engine.unit}.{op}({listed}), short for {row.mnemonic}("{op}", {listed}): {problem}',
+            engine=str(engine), source=source)
+    return tuple(values)
+
+
+def _operation_of(rows: Any, name: str) -> InstrSpec | None:
+    """The row among ``rows`` whose first operand is an operation ``name`` can be (``sum`` of
+    ``vec.reduce``), or None."""
+    for row in rows:
+        first = row.operands[0] if row.operands else None
+        if first is not None and first.kind == "enum" and name in first.choices:
+            return row
+    return None
+
+
+def _unknown_instruction(engine: Engine, rows: dict[str, InstrSpec], name: str) -> str:
+    """The message for ``engine.<name>`` that is no instruction of the engine: what to write
+    instead when ``name`` is an operation of one (``vpu.sum`` is ``reduce("sum", dst, src)``) or
+    an instruction of another unit, else the close spellings. Only the error path pays for it."""
+    text = f"engine {engine} has no instruction {name!r}"
+    row = _operation_of(rows.values(), name)
+    if row is not None:
+        rest = ", ".join(op.name for op in row.operands[1:])
+        short = row.mnemonic.split(".")[-1]
+        return f'{text}; {name!r} is an operation of {row.mnemonic}: write {short}("{name}", {rest})'
+    units = sorted({r.unit for r in TABLE if r.mnemonic.split(".")[-1] == name
+                    and r.unit not in (engine.unit, "any")})
+    if units:
+        where = " or ".join("core.dma[q]" if u == "dma" else "kb.link" if u == "link" else f"core.{u}"
+                            for u in units)
+        return f"{text}; {name} is an instruction of the {'/'.join(units)} unit: {where}.{name}(...)"
+    names = [*rows, "issue"]
+    names += [*_UNARY_OPS] if "unary" in rows else []
+    names += [*_BINARY_OPS] if "binary" in rows else []
+    names += ["matmul_mx"] if "matmul" in rows else []
+    near = difflib.get_close_matches(name, names, n=3)
+    if near:
+        return f"{text}; did you mean {' or '.join(near)}? It takes {sorted(rows)}"
+    return f"{text}; it takes {sorted(rows)}"
 
 
 def _operand(layout: _Layout, i: int, v: Any, engine: Engine, source: str, base: int) -> tuple[Any, Any]:
@@ -504,8 +614,8 @@ def _operand(layout: _Layout, i: int, v: Any, engine: Engine, source: str, base:
     if v is _MISSING:
         v = layout.defaults[i]
         if v is _MISSING:
-            raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}", engine=str(engine),
-                                     source=source)
+            raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}: {_usage(row)}",
+                                     engine=str(engine), source=source)
     cls = type(v)
     if cls is Semaphore:
         v = v.id

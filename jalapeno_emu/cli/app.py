@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,13 +67,28 @@ def add_executor_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+PIPE_WIDTH = 200
+"""Columns of a console that is not a terminal (a pipe, a file, captured output) when $COLUMNS does
+not say: rich's default there is 80, which cut the headers of wide tables (``tok/s/…``); a file
+has no width to keep to, so a table gets the width its content needs, up to this."""
+
+
+def _console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr) that keeps a terminal's width and takes
+    ``PIPE_WIDTH`` columns anywhere else."""
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = PIPE_WIDTH
+    return console
+
+
 @dataclass
 class App:
     """Per-invocation state handed to each command."""
 
     json_output: bool = False
-    console: Console = field(default_factory=lambda: Console(highlight=False))
-    err_console: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+    console: Console = field(default_factory=_console)
+    err_console: Console = field(default_factory=lambda: _console(stderr=True))
 
     def emit_json(self, command: str, payload: dict[str, Any]) -> None:
         """Print one JSON document with the schema header every command shares."""

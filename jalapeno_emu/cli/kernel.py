@@ -10,6 +10,7 @@ from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.cli.app import App, output_file
+from jalapeno_emu.cli.human import key_values, metrics_table, trace_note, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 
 LONG_RUN_INSTRUCTIONS = 20_000
@@ -64,7 +65,7 @@ def run(app: App, args: argparse.Namespace) -> int:
     kdef = get_kernel(args.name)
     spec = apply_overrides(load_preset(args.preset), args.overrides)
     shape = kdef.shape(texts=args.shape)
-    app.status(f"{kdef.name} {shape} on {spec.name}")
+    app.status(f"{kdef.name} {key_values(shape)} on {spec.name}")
     # run_kernel builds, checks, times and runs in one call, so the passes inside it report to
     # the display through the context instead of through an argument.
     with _LongRunDisplay(app, kdef.name, check=args.check) as display, \
@@ -77,21 +78,21 @@ def run(app: App, args: argparse.Namespace) -> int:
     if app.json_output:
         app.emit_json(f"kernel {kdef.name}", doc)
     else:
-        table = Table(title=f"{kdef.name} on {spec.name}: "
-                            + " ".join(f"{k}={v}" for k, v in shape.items()))
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for key in ("instructions", "time_s", "bound", "hbm_bytes", "hbm_utilization",
-                    "hbm_utilization_of_achievable", "flops", "mxu_utilization", "lower_bound_s"):
-            v = doc[key]
-            table.add_row(key, f"{v:.4g}" if isinstance(v, float) else f"{v}")
+        table = metrics_table(f"{kdef.name} on {spec.name}: {key_values(shape)}", doc)
         if report.check is not None:
             for key in ("max_abs_error", "max_rel_error", "passed"):
-                table.add_row(key, f"{doc[key]:.3g}" if isinstance(doc[key], float) else str(doc[key]))
+                table.add_row(key.replace("_", " "),
+                              f"{doc[key]:.3g}" if isinstance(doc[key], float) else str(doc[key]))
         app.console.print(table)
+        notes = f"kernel notes: {key_values(doc['notes'])}" if doc.get("notes") else None
+        for line in (why_line(doc), notes):
+            if line is not None:
+                app.console.print(line, markup=False, soft_wrap=True)
         if report.check is not None:
             app.console.print(f"tolerance: atol={doc['tolerance']['atol']:g} "
                               f"rtol={doc['tolerance']['rtol']:g} ({doc['tolerance']['why']})")
+    if args.trace:
+        trace_note(app, args.trace)
     if report.check is not None and not report.check["passed"]:
         return 1
     return 0

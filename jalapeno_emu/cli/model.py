@@ -9,6 +9,7 @@ from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, format_quantity, load_preset
 from jalapeno_emu.cli.app import Abort, App, output_file
+from jalapeno_emu.cli.human import trace_note, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.files import check_output_paths
 
@@ -42,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``layer`` and ``model`` commands."""
     p = sub.add_parser("layer", help="time one transformer layer as kernel launches (timing-only)")
     _common(p)
-    p.add_argument("--layer", type=int, default=0, help="layer index (default 0)")
+    p.add_argument("--layer", type=int, default=None,
+                   help="layer index (default: the first full-attention layer, where the context "
+                        "matters; gpt-oss's layer 0 has a sliding window)")
     p.set_defaults(run=run_layer)
     p = sub.add_parser("model", help="time a whole model step: every layer, embedding and logits")
     _common(p)
@@ -98,16 +101,39 @@ def _us(t: float) -> str:
     return f"{t * 1e6:,.1f}"
 
 
-def _kernel_table(title: str, rows: list[dict[str, Any]], *, fused: bool = False) -> Table:
+def _cores(used: int | None, total: int) -> str:
+    """``used/total`` cores, or blank for an entry without the figure."""
+    return "" if used is None else f"{used}/{total}"
+
+
+def _kernel_table(title: str, rows: list[dict[str, Any]], cores: int, *, fused: bool = False) -> Table:
+    """One row per launch (or fused operator): time, bound, cores used of the chip's ``cores``,
+    the engine with the largest share of the kernel's critical path, HBM and MXU figures."""
     table = Table(title=title)
     first, time = ("operator", "critical µs") if fused else ("launch", "time µs")
     for col, just in ((first, "left"), ("kernel", "left"), (time, "right"), ("bound", "left"),
-                      ("HBM MB", "right"), ("HBM util", "right"), ("MXU util", "right")):
+                      ("cores", "right"), ("critical engine", "left"), ("HBM MB", "right"),
+                      ("HBM util", "right"), ("MXU util", "right")):
         table.add_column(col, justify=just)
     for k in rows:
-        table.add_row(k["label"], k["kernel"], _us(k["time_s"]), k["bound"], f"{k['hbm_bytes'] / 1e6:,.2f}",
-                      f"{k['hbm_utilization']:.1%}", f"{k['mxu_utilization']:.1%}")
+        table.add_row(k["label"], k["kernel"], _us(k["time_s"]), k["bound"],
+                      _cores(k.get("cores_used"), cores), k.get("critical_engine") or "",
+                      f"{k['hbm_bytes'] / 1e6:,.2f}", f"{k['hbm_utilization']:.1%}",
+                      f"{k['mxu_utilization']:.1%}")
     return table
+
+
+def first_full_attention_layer(cfg: Any) -> int:
+    """The default ``layer --layer``: the first layer whose attention is full (no sliding window),
+    where the context length shows in the time; layer 0 when every layer slides."""
+    return next((i for i in range(cfg.layers) if cfg.window(i) == 0), 0)
+
+
+def _print_why(app: App, doc: dict[str, Any], qualifier: str = "") -> None:
+    """The document's ``why`` under a table, as one line (``why (last chunk): ...``)."""
+    line = why_line(doc)
+    if line is not None:
+        app.console.print(line.replace("why:", f"why{qualifier}:", 1), markup=False, soft_wrap=True)
 
 
 def run_layer(app: App, args: argparse.Namespace) -> int:
@@ -117,15 +143,17 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
 
     cfg, spec, timer, steps = _setup(args)
     fusion = resolve_fusion(args.fusion, spec)
-    app.status(f"{cfg.name} layer {args.layer} {args.phase} on {spec.name} (fusion {fusion})")
-    timed = [time_layer(cfg, args.layer, s, timer=timer, fusion=fusion) for s in steps]
+    layer = first_full_attention_layer(cfg) if args.layer is None else args.layer
+    chosen = " (the first full-attention layer; --layer picks another)" if args.layer is None else ""
+    app.status(f"{cfg.name} layer {layer}{chosen} {args.phase} on {spec.name} (fusion {fusion})")
+    timed = [time_layer(cfg, layer, s, timer=timer, fusion=fusion) for s in steps]
     kernels = [k for lt in timed for k in lt.kernels]
     if fusion == "none":
         totals = sum_timings(kernels, spec)
     else:
         totals = timed[0].totals if len(timed) == 1 else \
             sum_groups(timed, sum(lt.time_s for lt in timed), spec, fusion)
-    doc = {"model": cfg.name, "preset": spec.name, "layer": args.layer, "kind": timed[0].kind,
+    doc = {"model": cfg.name, "preset": spec.name, "layer": layer, "kind": timed[0].kind,
            "phase": args.phase, "batch": args.batch,
            "context": steps[0].context if args.phase == "decode" else None,
            "seq": sum(s.seq for s in steps) if args.phase == "prefill" else None,
@@ -138,18 +166,24 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
             timed[0].timelines[0].write_chrome_trace(args.trace)
     if app.json_output:
         app.emit_json("layer", doc)
+        if args.trace:
+            trace_note(app, args.trace)
         return 0
     what = (f"batch {args.batch}, context {doc['context']}" if args.phase == "decode"
             else f"batch {args.batch}, {doc['seq']} tokens in {len(steps)} chunk(s)")
-    title = (f"{cfg.name} layer {args.layer} ({doc['kind']}) {args.phase}, {what}, on {spec.name}, "
+    which = ", the first full-attention layer" if args.layer is None else ""
+    title = (f"{cfg.name} layer {layer} ({doc['kind']}{which}) {args.phase}, {what}, on {spec.name}, "
              f"fusion {fusion}")
-    app.console.print(_kernel_table(title, doc["kernels"], fused=fusion != "none"))
+    app.console.print(_kernel_table(title, doc["kernels"], spec.core.count, fused=fusion != "none"))
     lower = totals["lower_bound_s"]
     app.console.print(f"layer: {_us(totals['time_s'])} µs, {totals['bound']}-bound, "
                       f"{totals['hbm_bytes'] / 1e6:,.1f} MB from HBM at "
                       f"{totals['hbm_utilization']:.1%} of peak "
                       f"bandwidth, {totals['flops'] / 1e9:,.2f} GFLOP at {totals['mxu_utilization']:.1%} of "
                       f"peak MXFP4; roofline {_us(lower)} µs ({totals['time_s'] / lower:.2f}x)")
+    _print_why(app, totals)
+    if args.trace:
+        trace_note(app, args.trace)
     return 0
 
 
@@ -178,12 +212,15 @@ def run_model(app: App, args: argparse.Namespace) -> int:
             reports[0].head.timelines[0].write_chrome_trace(args.trace)
     if app.json_output:
         app.emit_json("model", doc)
+        if args.trace:
+            trace_note(app, args.trace)
         return 0
     table = Table(title=f"{cfg.name} {args.phase} (batch {args.batch}"
                   + (f", context {last['context']}" if args.phase == "decode" else f", {doc['seq']} tokens, "
                      f"{len(docs)} chunk(s); table: last chunk") + f") on {spec.name}")
     for col, just in (("layers", "left"), ("kind", "left"), ("count", "right"), ("µs each", "right"),
-                      ("µs total", "right"), ("bound", "left"), ("HBM util", "right"), ("MXU util", "right")):
+                      ("µs total", "right"), ("bound", "left"), ("cores", "right"), ("HBM util", "right"),
+                      ("MXU util", "right")):
         table.add_column(col, justify=just)
     head = last["head"] | {"layers": ["embed"], "count": 1, "time_s_each": last["head"]["time_s"]}
     tail = last["tail"] | {"layers": ["norm+logits"], "count": 1, "time_s_each": last["tail"]["time_s"]}
@@ -191,8 +228,8 @@ def run_model(app: App, args: argparse.Namespace) -> int:
         idx = g["layers"]
         label = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]},{idx[1]},...,{idx[-1]}"
         table.add_row(label, g["kind"], str(g["count"]), _us(g["time_s_each"]),
-                      _us(g["time_s_each"] * g["count"]),
-                      g["bound"], f"{g['hbm_utilization']:.1%}", f"{g['mxu_utilization']:.1%}")
+                      _us(g["time_s_each"] * g["count"]), g["bound"], _group_cores(g, spec.core.count),
+                      f"{g['hbm_utilization']:.1%}", f"{g['mxu_utilization']:.1%}")
     app.console.print(table)
     fp = last["footprint"]
     cap = format_quantity(fp["capacity_bytes"], "B")
@@ -209,7 +246,19 @@ def run_model(app: App, args: argparse.Namespace) -> int:
                       f"{tokens / t:,.0f} tok/s, HBM {doc['hbm_bytes'] / 1e9:,.2f} GB; roofline "
                       f"{doc['lower_bound_s'] * 1e3:,.3f} ms ({t / doc['lower_bound_s']:.2f}x); "
                       f"{last['distinct_launches']} distinct programs timed")
+    _print_why(app, last, "" if len(docs) == 1 else " (last chunk)")
+    if args.trace:
+        trace_note(app, args.trace)
     return 0
+
+
+def _group_cores(group: dict[str, Any], total: int) -> str:
+    """The cores a group of layers' kernels used, of ``total``: ``2/2``, or the range over its
+    kernels (``1-2/2``) when they differ."""
+    used = sorted({k["cores_used"] for k in group.get("kernels", ()) if k.get("cores_used") is not None})
+    if not used:
+        return ""
+    return f"{used[0]}/{total}" if len(used) == 1 else f"{used[0]}-{used[-1]}/{total}"
 
 
 def run_generate(app: App, args: argparse.Namespace) -> int:

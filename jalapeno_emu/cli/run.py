@@ -11,6 +11,7 @@ from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.cli.app import Abort, App, output_file
+from jalapeno_emu.cli.human import metrics_table, trace_note, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
@@ -85,25 +86,20 @@ def run(app: App, args: argparse.Namespace) -> int:
                               "instructions": len(program.instructions),
                               "timing": _jsonable(summary), "functional": functional,
                               "trace": args.trace})
-        return 0
-    table = Table(title=f"{program.name} on {spec.name}: {len(program.instructions)} instructions")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("time_s", "cycles", "bound", "hbm_bytes", "hbm_utilization", "flops",
-                "mxu_utilization", "lower_bound_s"):
-        if key in summary:
-            v = summary[key]
-            table.add_row(key, f"{v:.4g}" if isinstance(v, float) else str(v))
-    app.console.print(table)
-    if functional:
-        ft = Table(title="HBM after the functional pass")
-        for col in ("allocation", "bytes", "sha256 (first 16 hex)"):
-            ft.add_column(col, justify="right" if col == "bytes" else "left")
-        for name, info in functional.items():
-            ft.add_row(name, f"{info['bytes']:,}", info["sha256"])
-        app.console.print(ft)
+    else:
+        app.console.print(metrics_table(f"{program.name} on {spec.name}", summary))
+        why = why_line(summary)
+        if why is not None:
+            app.console.print(why, markup=False, soft_wrap=True)
+        if functional:
+            ft = Table(title="HBM after the functional pass")
+            for col in ("allocation", "bytes", "sha256 (first 16 hex)"):
+                ft.add_column(col, justify="right" if col == "bytes" else "left")
+            for name, info in functional.items():
+                ft.add_row(name, f"{info['bytes']:,}", info["sha256"])
+            app.console.print(ft)
     if args.trace:
-        app.console.print(f"trace written to {args.trace} (open it in ui.perfetto.dev)")
+        trace_note(app, args.trace)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and only where a file may be written.
+"""Files written whole or not at all, and only where a file may be written; files read only when
+they are regular files.
 
 Stage: shared by every stage that writes output (traces, sweeps, binaries, plots). The rules:
 
@@ -20,6 +21,11 @@ Stage: shared by every stage that writes output (traces, sweeps, binaries, plots
 
 Every refusal is an :class:`~jalapeno_emu.errors.InvalidArgumentError` that names the path as the
 user gave it, never an internal temporary file.
+
+Inputs (programs, binaries, presets, model configs) go through :func:`check_input_file` before
+they are opened: reading a FIFO blocks until someone writes to it, and a device such as
+``/dev/zero`` never ends, so anything but a regular file (through any symlinks) is refused with
+one line saying what the path is.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.errors import EmuError, InvalidArgumentError
 
 __all__ = ["OutputBatch", "all_or_nothing", "atomic_write", "atomic_write_json", "cache_root",
-           "check_output_path", "check_output_paths"]
+           "check_input_file", "check_output_path", "check_output_paths", "read_input_bytes"]
 
 _KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -108,6 +114,64 @@ def _check_target(path: str | os.PathLike[str], target: str) -> os.stat_result |
     if not os.access(directory, os.W_OK | os.X_OK, effective_ids=effective):
         raise InvalidArgumentError(f"{shown}: directory {directory} is not writable")
     return st
+
+
+def check_input_file(path: str | os.PathLike[str], *, what: str = "input",
+                     error: type[EmuError] = InvalidArgumentError) -> Path:
+    """Refuse, before it is opened, an input that is not a readable regular file: a missing path,
+    a directory, a FIFO (reading it blocks until something writes), a device (``/dev/zero`` never
+    ends), a socket, a symlink loop. Symlinks are followed; a few ``stat`` calls, nothing read.
+
+    Args:
+        path: the path as the user gave it (named in every message).
+        what: what the file is for the message ("program", "chip preset", "model config").
+        error: the class raised (a loader of configuration files raises ``ConfigError``).
+
+    Returns:
+        The path as given, as a ``Path``.
+
+    Raises:
+        ``error`` (InvalidArgumentError by default): one line naming the path and what it is.
+    """
+    given = os.fspath(path)
+    if not given:
+        raise error(f"the {what} path is empty; give a file name")
+    try:
+        st = os.stat(given)
+    except (FileNotFoundError, NotADirectoryError):
+        kind = "a symlink to nothing" if os.path.islink(given) else "no such file"
+        raise error(f"{given}: {kind} (the {what} file)") from None
+    except OSError as exc:  # ELOOP, EACCES on a directory above, ENAMETOOLONG
+        raise error(f"{given}: cannot be read as the {what} ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{given}: is a directory, not a file (the {what} must be a file)")
+    for test, kind in _KINDS:
+        if test(st.st_mode):
+            raise error(f"{given}: is {kind}, not a regular file; refusing to read it as the {what} "
+                        "(reading it could wait forever or never end)")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{given}: is not a regular file; refusing to read it as the {what}")
+    effective = os.access in os.supports_effective_ids
+    if not os.access(given, os.R_OK, effective_ids=effective):
+        raise error(f"{given}: cannot be read as the {what} (permission denied)")
+    return Path(given)
+
+
+def read_input_bytes(path: str | os.PathLike[str], *, what: str = "input",
+                     error: type[EmuError] = InvalidArgumentError) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`check_input_file` first); an error while
+    reading is ``error`` naming the path, not an ``OSError``."""
+    checked = check_input_file(path, what=what, error=error)
+    try:
+        # Opened without blocking and checked again on the descriptor: a FIFO put at the path
+        # after the check above would otherwise block this open until a writer came.
+        fd = os.open(checked, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise error(f"{os.fspath(path)}: is not a regular file; refusing to read it as the {what}")
+            return fh.read()
+    except OSError as exc:
+        raise error(f"{os.fspath(path)}: cannot read the {what} ({exc.strerror or exc})") from None
 
 
 def check_output_path(path: str | os.PathLike[str]) -> Path:

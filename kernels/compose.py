@@ -303,6 +303,9 @@ class Composer:
         if kdef.emit is None or kdef.tensors_of is None:
             raise DoesNotFit(f"kernel {kernel} has no emitter: it cannot run in a fused program")
         shape = dict(shape)
+        # Types and limits first: tensors_of plans with the shape, and an absurd size would plan
+        # (and then emit) without end. HBM is the builder's to check, as some tensors may be on chip.
+        kdef.check_shape(shape)
         specs = kdef.tensors_of(shape, self.spec)
         bound = dict(inputs or {})
         placements = dict(outs or {})

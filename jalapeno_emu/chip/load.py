@@ -21,6 +21,7 @@ from typing import Any
 from jalapeno_emu.chip._units import parse_quantity, short_repr
 from jalapeno_emu.chip.spec import BLOCKS, FIELDS, ChipSpec, Provenance, unknown_field_message
 from jalapeno_emu.errors import ConfigError
+from jalapeno_emu.files import check_input_file
 
 __all__ = ["apply_overrides", "list_presets", "load_preset", "parse_field_value", "preset_path"]
 
@@ -57,9 +58,10 @@ def preset_path(name_or_path: str | os.PathLike[str], *, relative_to: Path | Non
     path = Path(text)
     if relative_to is not None and not path.is_absolute():
         path = relative_to / path
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"chip preset file {str(path)!r} does not exist")
-    return path
+    # A directory, FIFO or device is refused by name before it is opened (a FIFO would block).
+    return check_input_file(path, what="chip preset", error=ConfigError)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -6,7 +6,8 @@ same text assembled anywhere, and asm -> disasm -> asm, give the same bytes); ``
 [-o FILE.jasm]`` turns a binary back into assembly. Both check the output path before reading
 the input and write their output atomically (a temporary file in the same directory, then a
 rename), so a failed run leaves no partial file behind (:mod:`jalapeno_emu.files`). Bad input is
-one ``error:`` line and exit status 2.
+one ``error:`` line and exit status 2; an input that is not a regular file (a FIFO, a device) is
+refused before it is opened.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from jalapeno_emu.cli.app import App, output_file
 from jalapeno_emu.errors import AssemblyError, InvalidArgumentError
-from jalapeno_emu.files import atomic_write, check_output_paths
+from jalapeno_emu.files import atomic_write, check_output_paths, read_input_bytes
 from jalapeno_emu.isa.asm import assemble, disassemble, format_instruction
 from jalapeno_emu.isa.encoding import MAGIC, decode_program, encode_program
 from jalapeno_emu.isa.legality import check_program
@@ -40,16 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(run=run_disasm)
 
 
-def _read(path: Path) -> bytes:
-    """The file's bytes; a missing file or a directory is one readable error."""
-    if not path.exists():
-        raise InvalidArgumentError(f"{path}: no such file")
-    if path.is_dir():
-        raise InvalidArgumentError(f"{path}: is a directory, not a file")
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise InvalidArgumentError(f"{path}: cannot read ({exc.strerror or exc})") from None
+def _read(path: Path, what: str) -> bytes:
+    """The file's bytes; a missing file, a directory, a FIFO or a device is one readable error
+    (:func:`jalapeno_emu.files.read_input_bytes`: reading a FIFO would wait for a writer)."""
+    return read_input_bytes(path, what=what)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -65,7 +60,7 @@ def run_asm(app: App, args: argparse.Namespace) -> int:
     """Assemble, check and encode one file."""
     src = Path(args.file)
     out = Path(args.output) if args.output else src.with_suffix(".bin")
-    data = _read(src)
+    data = _read(src, "assembly source")
     if data.startswith(MAGIC):
         raise AssemblyError("this is a jalapeno-emu binary, not assembly text", source=str(src),
                             hint="use `jalapeno-emu disasm` on it")
@@ -100,7 +95,7 @@ def run_disasm(app: App, args: argparse.Namespace) -> int:
     src = Path(args.file)
     out = Path(args.output) if args.output else None
     check_output_paths([out], inputs=[src])
-    program = decode_program(_read(src), source=str(src))
+    program = decode_program(_read(src, "binary program"), source=str(src))
     text = disassemble(program)
     if out is not None:
         _write(out, text.encode("utf-8"))

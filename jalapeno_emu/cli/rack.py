@@ -125,14 +125,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_compare)
 
 
+def _clipped(text: str, width: int = 60) -> str:
+    """``repr(text)``, cut to ``width`` characters: a list of thousands of values is not echoed."""
+    shown = repr(text)
+    return shown if len(shown) <= width else f"{shown[:width - 4]}...'"
+
+
 def _ints(text: str, what: str) -> list[int]:
+    """The comma-separated concurrencies of ``text``, each once, in the order first given (the
+    library's :func:`~jalapeno_emu.serving.limits.distinct_concurrencies`, so that the rows printed
+    match the points simulated); more distinct values than its limit are refused."""
+    from jalapeno_emu.serving.limits import distinct_concurrencies
+
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise Abort(f"{what} {text!r} must be comma-separated integers") from None
+        raise Abort(f"{what} {_clipped(text)} must be comma-separated integers") from None
     if not values or any(v < 1 for v in values):
-        raise Abort(f"{what} {text!r} must be integers >= 1")
-    return values
+        raise Abort(f"{what} {_clipped(text)} must be integers >= 1")
+    return list(distinct_concurrencies(values, what))
 
 
 def _cache(args: argparse.Namespace) -> bool:
@@ -185,14 +196,19 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
 
 def run_serve(app: App, args: argparse.Namespace) -> int:
     """Predict one serving point."""
-    from jalapeno_emu.rack.deployment import predict
+    from jalapeno_emu.model.config import load_model_config
+    from jalapeno_emu.rack.deployment import check_workload, predict
 
+    # Arguments beyond their limits are refused before the status line, not after it.
+    cfg = load_model_config(args.model)
+    check_workload(cfg, args.isl, args.osl, [args.concurrency], requests=args.requests,
+                   max_batch_tokens=args.max_batch_tokens)
     app.status(
         f"{args.model} on {args.preset} at {args.isl}/{args.osl}, concurrency {args.concurrency}"
         + ("" if args.mapping else f" (searching the best mapping for {args.objective})")
     )
     pred = predict(
-        args.model,
+        cfg,
         _spec(args, args.preset),
         args.isl,
         args.osl,

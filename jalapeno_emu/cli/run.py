@@ -16,7 +16,7 @@ from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
-from jalapeno_emu.files import check_output_paths
+from jalapeno_emu.files import check_output_paths, read_input_bytes
 from jalapeno_emu.isa.asm import assemble
 from jalapeno_emu.isa.encoding import decode_program
 from jalapeno_emu.isa.program import Program
@@ -41,11 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def load_program(path_text: str) -> Program:
     """Read a program from .jasm text or .bin bytes, with one clear error for anything else."""
     path = Path(path_text)
-    if not path.exists():
-        raise Abort(f"{path}: no such file")
     if path.is_dir():
         raise Abort(f"{path}: is a directory, expected a .jasm or .bin program")
-    data = path.read_bytes()
+    # A FIFO or a device is refused before it is opened (reading one could wait forever).
+    data = read_input_bytes(path, what="program")
     if data[:4] == b"JEMU":
         return decode_program(data, source=path.name)
     if b"\0" in data:

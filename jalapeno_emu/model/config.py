@@ -26,6 +26,7 @@ from importlib import resources
 from typing import Any, Literal
 
 from jalapeno_emu.errors import ConfigError
+from jalapeno_emu.files import read_input_bytes
 
 __all__ = ["MODEL_NAMES", "ModelConfig", "RopeConfig", "from_hf_config", "load_model_config"]
 
@@ -324,11 +325,13 @@ def load_model_config(name_or_path: str) -> ModelConfig:
         text = resources.files("jalapeno_emu.model").joinpath("configs", f"{name_or_path}.json").read_text()
         name = name_or_path
     elif os.path.exists(name_or_path):
+        # Not a plain open(): a FIFO or a device at the path would block or never end.
+        data = read_input_bytes(name_or_path, what="model config", error=ConfigError)
         try:
-            with open(name_or_path, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {name_or_path}: {exc.strerror}") from None
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{name_or_path}: not UTF-8 text (byte {exc.start}); expected a "
+                              "config.json") from None
         name = os.path.splitext(os.path.basename(name_or_path))[0]
     else:
         import difflib

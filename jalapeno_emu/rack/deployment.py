@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.chip._units import short_repr
 from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
 from jalapeno_emu.parallel import ordered_map
@@ -30,11 +31,17 @@ from jalapeno_emu.rack.search import (
     step_model,
 )
 from jalapeno_emu.rack.step_model import DEFAULT_BATCH_TOKENS, RackStepModel
+from jalapeno_emu.serving.limits import (
+    MAX_BATCH_TOKENS,
+    MAX_REQUESTS,
+    MAX_SEQUENCE_TOKENS,
+    distinct_concurrencies,
+)
 from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import simulate
 from jalapeno_emu.serving.sweep import SweepPoint
 
-__all__ = ["Prediction", "compare_presets", "predict", "rack_estimate", "sweep_mappings"]
+__all__ = ["Prediction", "check_workload", "compare_presets", "predict", "rack_estimate", "sweep_mappings"]
 
 
 @dataclass(frozen=True)
@@ -108,12 +115,36 @@ def _objects(
     )
 
 
-def _check_workload(isl: int, osl: int, concurrencies: Sequence[int]) -> None:
+def check_workload(cfg: ModelConfig, isl: int, osl: int, concurrencies: Sequence[int], *,
+                    requests: int | None = None,
+                    max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> tuple[int, ...]:
+    """Check the serving arguments at entry, before any mapping is searched or kernel built, each
+    against its limit (:mod:`jalapeno_emu.serving.limits`) and ISL + OSL against the model's
+    ``max_position_embeddings``; returns the distinct concurrencies in the order given. Every
+    entry point here calls it; a caller may call it first to refuse before saying anything.
+
+    Raises:
+        InvalidArgumentError: naming the argument, the limit and why.
+    """
     for key, v in (("isl", isl), ("osl", osl), *(("concurrency", c) for c in concurrencies)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InvalidArgumentError(f"{key}={v!r} must be an integer >= 1")
-    if not concurrencies:
-        raise InvalidArgumentError("at least one concurrency is needed")
+            raise InvalidArgumentError(f"{key}={short_repr(v)} must be an integer >= 1")
+    if isl + osl > cfg.max_position_embeddings:
+        # A longer request has no position to run at, and its attention kernels would be built
+        # at contexts the model never reaches.
+        raise InvalidArgumentError(
+            f"isl {isl:,} + osl {osl:,} = {isl + osl:,} tokens is above {cfg.name}'s "
+            f"max_position_embeddings of {cfg.max_position_embeddings:,} (the longest sequence the "
+            "model has positions for)")
+    if isl + osl > MAX_SEQUENCE_TOKENS.maximum:
+        raise InvalidArgumentError(
+            f"isl {isl:,} + osl {osl:,} = {isl + osl:,} tokens is above the limit of "
+            f"{MAX_SEQUENCE_TOKENS.maximum:,} ({MAX_SEQUENCE_TOKENS.why})")
+    distinct = distinct_concurrencies(concurrencies, "concurrencies")
+    if requests is not None:
+        MAX_REQUESTS.check("requests", requests)
+    MAX_BATCH_TOKENS.check("max_batch_tokens", max_batch_tokens)
+    return distinct
 
 
 def predict(
@@ -138,7 +169,8 @@ def predict(
     Args:
         cfg: a ModelConfig or a model name.
         preset: a ChipSpec or a preset name.
-        isl, osl: nominal input and output lengths (drawn from [0.8 L, L] as InferenceX does).
+        isl, osl: nominal input and output lengths (drawn from [0.8 L, L] as InferenceX does);
+            isl + osl at most the model's ``max_position_embeddings``.
         concurrency: requests in flight.
         mapping: the mapping to serve with (a Mapping or ``"tp=8,ep=8"``); None searches the best
             one for ``objective`` (analytic screen, then ``finalists`` simulated).
@@ -150,11 +182,13 @@ def predict(
         disk_cache: keep kernel timings on disk across processes.
 
     Raises:
-        InvalidArgumentError: bad arguments or a mapping the model/domain cannot take;
+        InvalidArgumentError: bad arguments, one beyond its limit (:mod:`jalapeno_emu.serving.limits`:
+            requests, concurrency, max_batch_tokens, isl + osl; each refusal names the argument
+            and the limit) or a mapping the model/domain cannot take;
         FitError: the model does not fit (with the numbers).
     """
     cfg, spec, routing = _objects(cfg, preset, routing)
-    _check_workload(isl, osl, [concurrency])
+    check_workload(cfg, isl, osl, [concurrency], requests=requests, max_batch_tokens=max_batch_tokens)
     if objective not in OBJECTIVES:
         raise InvalidArgumentError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     if mapping is None:
@@ -232,6 +266,8 @@ def sweep_mappings(
     simulated within the task.
 
     Args:
+        concurrencies: one given twice is simulated once (at most
+            :data:`~jalapeno_emu.serving.limits.MAX_CONCURRENCIES` distinct values).
         on_plan: called once with the number of points to simulate (for a progress bar).
         on_point: called after each simulated point (serial), or for each point of a mapping as
             its task completes (with an executor); always in the calling thread.
@@ -242,7 +278,7 @@ def sweep_mappings(
         (points, candidates screened); each point's ``series`` is the preset.
     """
     cfg, spec, routing = _objects(cfg, preset, routing)
-    _check_workload(isl, osl, concurrencies)
+    concurrencies = check_workload(cfg, isl, osl, concurrencies, max_batch_tokens=max_batch_tokens)
     cands = candidate_mappings(cfg, spec, chips=chips, kv_tokens=isl + osl, sequence_tokens=isl + osl)
     scored = screen(cfg, spec, cands, isl=isl, osl=osl, concurrencies=list(concurrencies), routing=routing)
     tasks: dict[Mapping, list[int]] = {}
@@ -337,10 +373,13 @@ def compare_presets(
         objective, routing, finalists, max_batch_tokens, disk_cache, isl, osl: as :func:`predict`.
 
     Returns:
-        (results, errors): preset -> one :meth:`Prediction.as_dict` per concurrency, for the
-        presets that could be modelled; preset -> message for the others; both in the order of
-        ``presets``, keyed by the name given (a ChipSpec by its ``name``).
+        (results, errors): preset -> one :meth:`Prediction.as_dict` per distinct concurrency
+        (duplicates dropped, first-seen order), for the presets that could be modelled; preset ->
+        message for the others; both in the order of ``presets``, keyed by the name given (a
+        ChipSpec by its ``name``).
     """
+    # Duplicates dropped here, before any preset is loaded: a concurrency given twice is one point.
+    concurrencies = distinct_concurrencies(concurrencies, "concurrencies")
     keys = [p if isinstance(p, str) else p.name for p in presets]
     outcome: dict[int, tuple[list[dict[str, Any]], str | None]] = {}
     slots: list[int] = []  # the preset of each task
@@ -412,12 +451,13 @@ def rack_estimate(
     """The serve metrics of ``model`` on ``preset`` at each concurrency, quickly: the mapping is
     the analytic screen's best for ``objective`` (one finalist, simulated), and kernel timings are
     kept on disk across runs by default. Each entry is :meth:`Prediction.as_dict` (the ``serve
-    --json`` fields).
+    --json`` fields), one per distinct concurrency in the order given.
     """
-    _check_workload(isl, osl, list(concurrencies))
+    cfg = load_model_config(model) if isinstance(model, str) else model
+    concurrencies = check_workload(cfg, isl, osl, list(concurrencies))
     return [
         predict(
-            model,
+            cfg,
             preset,
             isl,
             osl,

@@ -107,6 +107,7 @@ from jalapeno_emu.rack.slices import (
     token_launches,
     tp_collectives,
 )
+from jalapeno_emu.serving.limits import MAX_BATCH_TOKENS
 from jalapeno_emu.serving.metrics import power_w_from_spec
 from jalapeno_emu.serving.step_model import StepWork
 
@@ -247,7 +248,8 @@ class RackStepModel:
         mapping: a :class:`~jalapeno_emu.rack.mapping.Mapping` or its text (``"tp=8,ep=8"``).
         routing: the MoE routing distribution (:class:`~jalapeno_emu.rack.routing.Routing` or
             ``"uniform"`` / ``"zipf:1.2"``).
-        max_batch_tokens: token budget of one DP group's step.
+        max_batch_tokens: token budget of one DP group's step (at most
+            :data:`~jalapeno_emu.serving.limits.MAX_BATCH_TOKENS`).
         sequence_tokens: a typical request's isl + osl, for the KV capacity of sliding-window
             layers (see :func:`~jalapeno_emu.rack.mapping.chip_memory`); None: full rate.
         timer: the LaunchTimer to use (default: the process-wide one of ``spec``).
@@ -286,6 +288,8 @@ class RackStepModel:
             or max_batch_tokens < 1
         ):
             raise InvalidArgumentError(f"max_batch_tokens={max_batch_tokens!r} must be an integer >= 1")
+        # Bounded (serving/limits.py): a step's tokens are the rows its kernels are built at.
+        MAX_BATCH_TOKENS.check("max_batch_tokens", max_batch_tokens)
         check_mapping(self.cfg, self.mapping, self.spec)
         self.memory: ChipMemory = fits(self.cfg, self.spec, self.mapping, 0, sequence_tokens=sequence_tokens)
         if self.memory.kv_capacity_tokens < 1:
@@ -446,8 +450,10 @@ class RackStepModel:
             return v
         if tokens in self._moe_refused:
             return None
-        launch = self._moe_launch(tokens)
         try:
+            # Inside the try: the launch's shape can be refused before any build (a tokens value
+            # beyond the kernel's limit), and that batch then runs in pieces like any refused one.
+            launch = self._moe_launch(tokens)
             t = self.timer.time(launch, split=False).time_s
             if self.fusion != "none":  # one operator of a fused program: no launch of its own
                 t -= self.spec.sync.kernel_launch_s

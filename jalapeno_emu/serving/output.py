@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.files import atomic_write
+from jalapeno_emu.files import atomic_write, check_input_file
 
 __all__ = ["SCHEMA_VERSION", "atomic_write", "flatten", "read_points_json", "write_points_csv",
            "write_points_json"]
@@ -73,6 +73,7 @@ def read_points_json(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list
     Raises:
         InvalidArgumentError: not a sweep document, or a schema version this code does not read.
     """
+    check_input_file(path, what="sweep JSON")  # a FIFO or device would block or never end
     with open(path) as f:
         doc = json.load(f)
     if not isinstance(doc, dict) or doc.get("kind") != JSON_KIND:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.serving.limits import MAX_CONCURRENCY, MAX_REQUESTS, MAX_SEQUENCE_TOKENS
 from jalapeno_emu.serving.metrics import RequestTimes, ServingMetrics, WindowCounters, check_power, summarise
 from jalapeno_emu.serving.step_model import StepTimeModel, StepWork, SupportsDecodeStretch
 
@@ -301,6 +302,15 @@ def _positive_int(key: str, value: object, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_sequence(isl: int, osl: int) -> None:
+    """Refuse a request longer than :data:`~jalapeno_emu.serving.limits.MAX_SEQUENCE_TOKENS`: its
+    prefill alone would be that many chunks of simulated steps."""
+    if isl + osl > MAX_SEQUENCE_TOKENS.maximum:
+        raise InvalidArgumentError(
+            f"isl {isl:,} + osl {osl:,} = {isl + osl:,} tokens is above the limit of "
+            f"{MAX_SEQUENCE_TOKENS.maximum:,} tokens per request ({MAX_SEQUENCE_TOKENS.why})")
+
+
 def _check_model(model: StepTimeModel) -> None:
     if not isinstance(model, StepTimeModel):
         raise InvalidArgumentError(
@@ -337,10 +347,12 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
         model: the deployment's step-time model (one mapping of one model onto ``model.chips``).
         isl: nominal input length L in tokens; lengths are drawn from [ceil(range_ratio L), L].
         osl: nominal output length in tokens, drawn the same way.
-        concurrency: requests in flight (closed loop).
-        requests: measured requests (default :func:`default_requests`).
+        concurrency: requests in flight (closed loop; at most
+            :data:`~jalapeno_emu.serving.limits.MAX_CONCURRENCY`).
+        requests: measured requests (default :func:`default_requests`; at most
+            :data:`~jalapeno_emu.serving.limits.MAX_REQUESTS`).
         warmup_requests: completions before measurement starts (default ``concurrency``; 0 measures
-            from t = 0, the synchronised first wave included).
+            from t = 0, the synchronised first wave included; at most ``MAX_REQUESTS``).
         seed: seed of the length draws.
         range_ratio: the lower bound of the draws as a fraction of the nominal length.
         power_w: watts per chip under "package", "sustained" and "all_in" (e.g.
@@ -351,15 +363,19 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
         The point's :class:`ServingMetrics` (see the module docstring for the semantics).
 
     Raises:
-        InvalidArgumentError: a bad argument, a request that can never fit in the KV capacity, or a
-            step model returning a non-positive or non-finite time.
+        InvalidArgumentError: a bad argument or one beyond its limit (:mod:`jalapeno_emu.serving.limits`,
+            each refusal naming it), a request that can never fit in the KV capacity, or a step model
+            returning a non-positive or non-finite time.
     """
     _check_model(model)
     isl = _positive_int("isl", isl)
     osl = _positive_int("osl", osl)
-    concurrency = _positive_int("concurrency", concurrency)
-    requests = default_requests(concurrency) if requests is None else _positive_int("requests", requests)
-    warmup = concurrency if warmup_requests is None else _positive_int("warmup_requests", warmup_requests, 0)
+    _check_sequence(isl, osl)
+    # The counts bound the simulation's own work (serving/limits.py): checked before any step.
+    concurrency = MAX_CONCURRENCY.check("concurrency", concurrency)
+    requests = default_requests(concurrency) if requests is None else MAX_REQUESTS.check("requests", requests)
+    warmup = concurrency if warmup_requests is None else MAX_REQUESTS.check("warmup_requests",
+                                                                            warmup_requests, 0)
     seed = _positive_int("seed", seed, 0)
     power = check_power(power_w)
     _check_workload(model, isl, osl, concurrency, range_ratio, mtp_accept_tokens)

@@ -16,6 +16,7 @@ from typing import Any
 
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.parallel import LocalPool, ordered_map
+from jalapeno_emu.serving.limits import distinct_concurrencies
 from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import DEFAULT_RANGE_RATIO, simulate
 from jalapeno_emu.serving.step_model import StepTimeModel
@@ -56,7 +57,9 @@ def _run_point(model: StepTimeModel, concurrency: int, kwargs: dict[str, Any]) -
     return SweepPoint(model.name, _series(model), concurrency, metrics)
 
 
-def _check_sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], workers: int) -> None:
+def _check_sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int],
+                 workers: int) -> tuple[int, ...]:
+    """The distinct concurrencies, in order, after checking every argument."""
     if not models:
         raise InvalidArgumentError("sweep needs at least one step model")
     names = [m.name for m in models]
@@ -64,11 +67,10 @@ def _check_sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], 
         raise InvalidArgumentError(f"sweep model names must be unique (they name the mappings); got {names}")
     if not concurrencies:
         raise InvalidArgumentError("sweep needs at least one concurrency")
-    for c in concurrencies:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise InvalidArgumentError(f"concurrencies must be integers >= 1; got {c!r}")
+    distinct = distinct_concurrencies(concurrencies)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers must be an integer >= 1; got {workers!r}")
+    return distinct
 
 
 def sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], *, isl: int, osl: int,
@@ -79,7 +81,9 @@ def sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], *, isl:
 
     Args:
         models: step-time models, one per mapping; names must be unique.
-        concurrencies: closed-loop concurrencies (e.g. 1, 2, 4, ... 1024).
+        concurrencies: closed-loop concurrencies (e.g. 1, 2, 4, ... 1024); one given twice is
+            simulated once (at most :data:`~jalapeno_emu.serving.limits.MAX_CONCURRENCIES`
+            distinct values).
         isl, osl, requests, warmup_requests, seed, range_ratio: as :func:`simulate`; every point
             uses the same seed, so every mapping serves the same request lengths.
         power_w: watts per chip ("package", "sustained", "all_in") for every model; when None, a
@@ -88,9 +92,9 @@ def sweep(models: Sequence[StepTimeModel], concurrencies: Sequence[int], *, isl:
         progress: show a rich progress bar on stderr.
 
     Returns:
-        One :class:`SweepPoint` per (model, concurrency), models outer, in the order given.
+        One :class:`SweepPoint` per (model, distinct concurrency), models outer, in the order given.
     """
-    _check_sweep(models, concurrencies, workers)
+    concurrencies = _check_sweep(models, concurrencies, workers)
     kwargs = dict(isl=isl, osl=osl, requests=requests, warmup_requests=warmup_requests, seed=seed,
                   range_ratio=range_ratio, power_w=None if power_w is None else dict(power_w))
     tasks = [(model, int(c), kwargs) for model in models for c in concurrencies]

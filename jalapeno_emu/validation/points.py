@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.files import read_input_bytes
 
 __all__ = ["CSV_NAME", "METRICS", "MeasuredPoint", "load_points"]
 
@@ -82,7 +83,8 @@ def load_points(path: str | Path | None = None) -> list[MeasuredPoint]:
         data = resources.files("jalapeno_emu.validation").joinpath("data")
         text = data.joinpath(CSV_NAME).read_text("utf-8")
     else:
-        text = Path(path).read_text("utf-8")
+        # A FIFO or device at the path is refused rather than read (it would block or never end).
+        text = read_input_bytes(path, what="calibration CSV").decode("utf-8")
     reader = csv.DictReader(text.splitlines())
     missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
     if missing:

@@ -26,6 +26,8 @@ def test_rmsnorm_full_size_timing_only_is_hbm_or_latency_bound():
 
 def test_impossible_shapes_are_refused_before_building():
     with pytest.raises(InvalidArgumentError, match="scratchpad"):
+        run_kernel("rmsnorm", {"hidden": 1 << 16})
+    with pytest.raises(InvalidArgumentError, match="hidden=1048576 is above its limit of 65,536"):
         run_kernel("rmsnorm", {"hidden": 1 << 20})
     with pytest.raises(InvalidArgumentError, match="eps"):
         run_kernel("rmsnorm", {"eps": -1.0})

@@ -102,8 +102,8 @@ __all__ = ["MAX_TOKENS", "SHARED_BLOCK", "MoePlan", "capacities", "emit_slots", 
 MAX_TOKENS = 128
 """Tokens the slot program takes at most: one matrix-unit row tile (every slot's list fits it)."""
 # Items per core beyond which the slice choice is penalised (estimate x (1 + excess / this)): the
-# program, and the checker's work, which grows faster than linearly with it, stay small enough to
-# build, check and time a full-size layer in seconds to tens of seconds.
+# program, and the checker's work, stay small enough to build, check and time a full-size layer in
+# seconds to tens of seconds.
 _MAX_ITEMS_PER_CORE = 64
 _REDUCE_GROUP = 16  # partials pulled per round of the dense reduction (bounds its buffer)
 _REDUCE_QUEUES = 4  # DMA queues the dense reduction spreads its pulls over (at most)

@@ -17,9 +17,9 @@ LONG_RUN_INSTRUCTIONS = 20_000
 """Above this many instructions, ``kernel NAME`` without ``--timing-only`` warns on stderr (one
 line) and shows progress bars while the race and uninitialised-read analysis (and with
 ``--check`` the functional run) execute. Measured on two CPU cores, gemm on ``tiny``: at 22k
-instructions (m=n=k=2048) the analysis takes about 2 s and the functional run about 5 s; at 212k
-(m=n=k=4096) about 390 s (it grows faster than linearly) and 45 s, where ``--timing-only`` takes
-about 8 s in all (building 4.6 s, timing 1 s). Below it a run takes seconds and needs neither."""
+instructions (m=n=k=2048) the analysis takes about 1 s and the functional run about 5 s; at 212k
+(m=n=k=4096) about 12 s and 45 s, where ``--timing-only`` takes about 8 s in all (building
+4.6 s, timing 1 s). Below it a run takes seconds and needs neither."""
 
 _STAGES = {"check": "race and uninitialised-read analysis", "functional": "functional run"}
 
@@ -132,7 +132,7 @@ class _LongRunDisplay:
             # seeing, and stderr leaves the JSON on stdout intact. soft_wrap: one line, unbroken.
             self.app.err_console.print(
                 f"[yellow]{self.kernel}: {total:,} instructions; {passes} take a while at this size "
-                "(gemm m=n=k=4096 on tiny, 212k instructions: about 7 minutes on two CPU cores); "
+                "(gemm m=n=k=4096 on tiny, 212k instructions: about a minute on two CPU cores); "
                 "--timing-only gives the timing in seconds, without executing the arithmetic or "
                 "the analysis[/yellow]", soft_wrap=True)
         if self.app.json_output:

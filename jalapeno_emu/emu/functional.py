@@ -402,12 +402,11 @@ class FunctionalResult:
                                            "did not record them")
             dtype, shape = dtype or tensors[name][0], shape or tensors[name][1]
         raw = self.read_bytes(name)
-        dt = DTYPES[dtype]
         n = int(np.prod(shape))
         if dtype == "fp4":
             codes = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(-1)
             return codes[:n].reshape(shape)
-        np_dt = np.dtype(ml_dtypes.bfloat16) if dt.numpy == "bfloat16" else np.dtype(dt.numpy or "uint8")
+        np_dt = _host_dtype(dtype)
         return raw[: n * np_dt.itemsize].view(np_dt).reshape(shape)
 
 
@@ -426,9 +425,8 @@ def _to_bytes(value: Any, dtype: str | None) -> np.ndarray:
     if dtype == "fp4":
         codes = np.asarray(value, np.uint8).reshape(value.shape[0], -1)
         return ((codes[:, 0::2] & 0xF) | ((codes[:, 1::2] & 0xF) << 4)).reshape(-1)
-    dt = DTYPES[dtype or "u8"]
-    np_dt = np.dtype(ml_dtypes.bfloat16) if dt.numpy == "bfloat16" else np.dtype(dt.numpy or "uint8")
-    return np.ascontiguousarray(np.asarray(value).astype(np_dt)).view(np.uint8).reshape(-1)
+    host = np.asarray(value).astype(_host_dtype(dtype or "u8"))
+    return np.ascontiguousarray(host).view(np.uint8).reshape(-1)
 
 
 _ML_DTYPES = {"fp4": ml_dtypes.float4_e2m1fn, "fp8e4": ml_dtypes.float8_e4m3fn,
@@ -469,6 +467,7 @@ def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str
         bufs[f"hbm:{alloc.name}"][: data.size] = data
     for name, value in inputs.items():
         if isinstance(value, MXArray):
+            _check_mx_input(tensors, name, value)
             _write_input(program, bufs, tensors, name, np.asarray(value.codes))
             _write_input(program, bufs, tensors, f"{name}.scales", np.asarray(value.scales))
         else:
@@ -476,14 +475,104 @@ def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str
     return bufs
 
 
+def _host_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a host array of ``dtype`` elements has (MX element codes and E8M0: uint8)."""
+    dt = DTYPES[dtype]
+    return np.dtype(ml_dtypes.bfloat16) if dt.numpy == "bfloat16" else np.dtype(dt.numpy or "uint8")
+
+
+def _expected(dtype: str, shape: tuple[int, int]) -> str:
+    """What an input for a recorded tensor must be, in words."""
+    rows, cols = shape
+    if DTYPES[dtype].mx_fmt is not None:
+        return (f"{dtype} [{rows}, {cols}] (uint8 codes of shape ({rows}, {cols}), one per element, "
+                "or an MXArray)")
+    what = f"{dtype} [{rows}, {cols}] (a {_host_dtype(dtype)} array of shape ({rows}, {cols})"
+    if dtype in ("u8", "e8m0"):
+        what += f", or its {rows * DTYPES[dtype].row_bytes(cols):,} raw bytes"
+    return what + ")"
+
+
+def _mismatch(name: str, dtype: str, shape: tuple[int, int], given: str,
+              hint: str | None = None) -> InvalidArgumentError:
+    """The error for input ``name``, described as ``given``, that is not the recorded tensor."""
+    return InvalidArgumentError(f"input {name!r}: the program's tensor {name!r} is "
+                                f"{_expected(dtype, shape)}; given {given}", hint=hint)
+
+
+def _check_mx_input(tensors: Mapping[str, tuple[str, tuple[int, int]]], name: str,
+                    value: MXArray) -> None:
+    """Raise InvalidArgumentError unless ``value`` is exactly MX tensor ``name`` as recorded:
+    its element format, shape and (through the scales' shape) blocked axis and block size."""
+    if name not in tensors:
+        return  # nothing recorded (an assembled program): the byte count is checked on writing
+    dtype, shape = tensors[name]
+    given = (f"an MXArray ({value.fmt}, shape {tuple(value.shape)}, axis {value.axis}, "
+             f"block {value.block_size})")
+    if DTYPES[dtype].mx_fmt is None:
+        raise _mismatch(name, dtype, shape, given)
+    if value.fmt != DTYPES[dtype].mx_fmt or tuple(value.shape) != tuple(shape):
+        raise _mismatch(name, dtype, shape, given, hint=_transposed_hint(tuple(value.shape), shape))
+    scales = f"{name}.scales"
+    if scales in tensors and tuple(np.shape(value.scales)) != tuple(tensors[scales][1]):
+        raise InvalidArgumentError(
+            f"input {name!r}: the program's scales {scales!r} are {tensors[scales][1]} (blocks of "
+            f"32 along one axis); given {given} with scales of shape "
+            f"{tuple(np.shape(value.scales))}", hint="quantize along the axis the kernel expects")
+
+
+def _transposed_hint(got: tuple[int, ...], shape: tuple[int, int]) -> str | None:
+    """A hint when ``got`` is ``shape`` transposed (the likeliest wrong layout), else None."""
+    if got == tuple(shape)[::-1] and shape[0] != shape[1]:
+        return "the shape is the transpose of the tensor's: pass the array in the kernel's layout"
+    return None
+
+
 def _write_input(program, bufs, tensors, name, value) -> None:
     alloc = _hbm_alloc(program, name)
-    dtype = tensors.get(name, (None, None))[0]
-    data = _to_bytes(value, dtype)
+    if name in tensors:
+        dtype = tensors[name][0]
+        data = _to_bytes(_checked_input(name, value, *tensors[name]), dtype)
+    else:
+        # Nothing recorded (an assembled program): only the allocation's size is known, and a
+        # smaller input fills its start.
+        data = _to_bytes(value, None)
     if data.size > alloc.nbytes:
         raise InvalidArgumentError(f"input {name!r} has {data.size:,} B but its allocation holds "
                                    f"{alloc.nbytes:,} B")
     bufs[f"hbm:{alloc.name}"][: data.size] = data
+
+
+def _checked_input(name: str, value: Any, dtype: str, shape: tuple[int, int]) -> np.ndarray:
+    """``value`` as an array, once it is shown to be exactly tensor ``name`` (``dtype``, ``shape``).
+
+    A host array of any other shape or dtype would be converted or reinterpreted into the
+    allocation without complaint, and the kernel would compute on misplaced or garbled values
+    (a transposed [1024, 256] fills a [256, 1024] tensor just as well), so nothing is converted:
+    the array must have the recorded shape and the element's own numpy dtype. The one other form
+    is raw bytes (a flat uint8 array of exactly the tensor's size) for byte tensors (u8, e8m0),
+    whose bytes are their values.
+    """
+    arr = np.asarray(value)
+    want = _host_dtype(dtype)
+    rows, cols = shape
+    nbytes = rows * DTYPES[dtype].row_bytes(cols)
+    if (dtype in ("u8", "e8m0") and arr.dtype == np.uint8 and arr.ndim == 1
+            and arr.size == nbytes):
+        return arr
+    if arr.shape != (rows, cols) or arr.dtype != want:
+        given = f"a {arr.dtype} array of shape {arr.shape}"
+        hint = _transposed_hint(arr.shape, shape)
+        if hint is None and arr.size == rows * cols and arr.shape != (rows, cols):
+            hint = (f"it has the tensor's number of elements: if they are in its row-major order, "
+                    f".reshape({rows}, {cols}) first")
+        if hint is None and arr.shape == (rows, cols):
+            host = "ml_dtypes.bfloat16" if dtype == "bf16" else f"np.{want.name}"
+            hint = (f"convert it first (.astype({host})) if its values are meant"
+                    if DTYPES[dtype].mx_fmt is None
+                    else "pass the element codes (uint8), or an MXArray")
+        raise _mismatch(name, dtype, shape, given, hint=hint)
+    return arr
 
 
 _Signature = tuple
@@ -552,9 +641,14 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
 
     Args:
         program: the Program (from the builder or the assembler).
-        inputs: HBM allocation name -> host data: a numpy array (converted to the allocation's
-            recorded dtype), raw uint8 bytes, or an ``MXArray`` (codes go to ``name``, scales to
-            ``name.scales``).
+        inputs: HBM allocation name -> host data, exactly the tensor the program recorded for
+            it (``Program.meta["tensors"]``): an array of its shape and of its element's numpy
+            dtype (bf16: ``ml_dtypes.bfloat16``; fp4/fp8 elements and e8m0 scales: uint8 codes,
+            one per element), nothing converted; for a byte tensor (u8, e8m0) also its raw
+            bytes as a flat uint8 array of exactly its size; for an MX tensor also an
+            ``MXArray`` of its format and shape, quantized along its axis (codes go to
+            ``name``, scales to ``name.scales``). An allocation the program recorded no tensor
+            for (an assembled program) takes any array, converted to bytes, up to its size.
         debug: fill memory nothing initialised with 0xFF bytes (NaN) instead of zeros.
         schedule_seed: run the engines in another legal interleaving (``sequential_order``'s
             seed); a program that passes ``check_program`` gives the same results under all.
@@ -574,6 +668,9 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         FunctionalResult with every buffer as a numpy uint8 array.
 
     Raises:
+        InvalidArgumentError: an input names no HBM allocation, or is not its recorded tensor
+            (shape, dtype, MX format or axis; the message names the tensor, what it is and what
+            was given), or is larger than its allocation; ``compile`` is unknown.
         Deadlock: no legal order exists.
         OutOfBounds: a tile is not backed by memory, or a gather index is out of range.
     """

@@ -138,6 +138,12 @@ class _Asm:
                 value = None
             if not isinstance(value, str):
                 raise self.error(f"{what} {tok.text} is not a valid quoted name", line, tok.col)
+            # JSON's \uXXXX escapes can spell half of a surrogate pair, which no UTF-8 text (and
+            # so no binary, whose strings are UTF-8) can hold: refuse it here, at its column.
+            if any("\ud800" <= ch <= "\udfff" for ch in value):
+                raise self.error(f"{what} {_clip(tok.text)} holds an unpaired surrogate escape (\\ud800.."
+                                 "\\udfff), which is not Unicode text", line, tok.col,
+                                 hint="escape a character outside the BMP as a pair, e.g. \\ud83d\\ude00")
             return value
         if not _NAME_RE.fullmatch(tok.text):
             raise self.error(f"{what} {tok.text!r} is not a name", line, tok.col,

@@ -49,8 +49,10 @@ returns instructions in canonical form: every operand present, in table order (s
 ``legality.canonical``). ``Program.meta`` is not encoded.
 
 Malformed input (bad magic, a newer version, truncation, an unknown opcode/unit/space/dtype
-code, an enum index out of range, invalid UTF-8, an impossible tile, bytes after the last
+code, an enum index out of range, invalid UTF-8, an impossible tile, an instruction ``encode``
+would refuse such as an HBM tile on core 1 or an mxu with a queue, bytes after the last
 instruction) raises ``AssemblyError`` naming the byte offset; the offset is also in ``.offset``.
+So every Program ``decode_program`` returns encodes back to the same bytes.
 """
 
 from __future__ import annotations
@@ -272,7 +274,17 @@ def _read_instruction(r: _Reader) -> Instruction:
         else:  # pragma: no cover
             raise ValueError(f"no decoding for operand kind {op.kind!r}")
     source = r.text(f"source of {spec.mnemonic}")
-    return Instruction(spec.mnemonic, Engine(core, _UNITS[unit_code], queue), tuple(args), source)
+    ins = Instruction(spec.mnemonic, Engine(core, _UNITS[unit_code], queue), tuple(args), source)
+    # What encode() refuses, no encoder wrote: refuse it here too (an HBM tile on core 1, an mxu
+    # with a queue), so that every decoded Program encodes back to the same bytes.
+    bad_engine = check_engine(ins.engine)
+    if bad_engine:
+        raise r.fail(f"{spec.mnemonic}: {bad_engine}", unit_at)
+    try:
+        operand_values(ins, domains=False)
+    except IllegalInstruction as exc:
+        raise r.fail(f"instruction is not encodable: {getattr(exc, 'reason', exc.message)}", at) from None
+    return ins
 
 
 def decode(data: bytes, offset: int = 0, *, source: str = "<binary>") -> tuple[Instruction, int]:

@@ -73,12 +73,12 @@ class Provenance:
     note: str
 
     def __post_init__(self) -> None:
-        if self.kind not in PROVENANCE_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in PROVENANCE_KINDS:  # (`in` would == an array)
             raise ConfigError(f"provenance kind must be one of {', '.join(PROVENANCE_KINDS)}, "
-                              f"found {self.kind!r}")
+                              f"found {short_repr(self.kind)}")
         if not isinstance(self.note, str) or not self.note.strip():
             raise ConfigError(f"a {self.kind} provenance needs a non-empty note "
-                              f"(the source, reason or derivation), found {self.note!r}")
+                              f"(the source, reason or derivation), found {short_repr(self.note)}")
 
 
 OVERRIDE = Provenance(kind="assumed", note="override")
@@ -524,17 +524,19 @@ class ChipSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.provenance, Mapping):
-            raise ConfigError(f"chip spec {self.name!r}: provenance must be a mapping of dotted field "
-                              f"paths to Provenance, found {type(self.provenance).__name__}")
+            raise ConfigError(f"chip spec {short_repr(self.name)}: provenance must be a mapping of dotted "
+                              f"field paths to Provenance, found {type(self.provenance).__name__}")
         object.__setattr__(self, "provenance", MappingProxyType(dict(sorted(self.provenance.items()))))
         self.check_invariants()
 
     def check_invariants(self) -> None:
         """Check types, every block's invariants and provenance coverage; ConfigError names the path."""
-        where = f"chip spec {self.name!r}"
+        # short_repr: name and description are not yet known to be str, and Python refuses to print
+        # an int of more than 4,300 digits (a ValueError in place of this ConfigError).
+        where = f"chip spec {short_repr(self.name)}"
         for key in ("name", "description"):
             if not isinstance(getattr(self, key), str):
-                raise ConfigError(f"{where}: {key} must be str, found {getattr(self, key)!r}")
+                raise ConfigError(f"{where}: {key} must be str, found {short_repr(getattr(self, key))}")
         if not self.name:
             raise ConfigError("chip spec: name must be a non-empty string")
         for block, cls in BLOCKS.items():

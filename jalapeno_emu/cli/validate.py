@@ -113,7 +113,7 @@ def run_validate(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.validation.points import load_points
     from jalapeno_emu.validation.run import parse_rows, run_validation
 
-    rows = parse_rows(args.rows, len(load_points())) if args.rows else None
+    rows = parse_rows(args.rows, len(load_points())) if args.rows is not None else None
     progress = Progress(TextColumn("validate {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=app.err_console, transient=True, disable=app.json_output)
     with executor(args.workers, args.scheduler) as ex, progress:

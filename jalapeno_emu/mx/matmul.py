@@ -70,7 +70,7 @@ def block_sum_is_exact_in_f32(fa: str, fb: str, block_size: int = 32) -> bool:
             per block.
     """
     a, b = element_format(fa, argname="fa"), element_format(fb, argname="fb")
-    check_int(block_size, "block_size", minimum=1)
+    block_size = check_int(block_size, "block_size", minimum=1)
     return a.max_units * b.max_units * block_size < 2**_F32_EXACT_INT_BITS
 
 

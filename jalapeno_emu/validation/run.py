@@ -61,8 +61,10 @@ def parse_rows(spec: str, count: int) -> list[int]:
     out: list[int] = []
     for part in spec.split(","):
         part = part.strip()
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.partition("-")
         try:
+            if dash and not hi:  # "1-": a range without its end
+                raise ValueError(part)
             a, b = int(lo), int(hi or lo)
         except ValueError:
             raise InvalidArgumentError(f"--rows {spec!r}: {part!r} is not N or N-M") from None

@@ -13,8 +13,9 @@ class DeadlineExceeded(AssertionError):
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Raise :class:`DeadlineExceeded` inside the block if it runs longer than ``seconds``.
+def deadline(seconds: float, what: str | None = None) -> Iterator[None]:
+    """Raise :class:`DeadlineExceeded` inside the block if it runs longer than ``seconds``
+    (naming ``what`` ran on, when given).
 
     SIGALRM interrupts pure-Python loops (the builders, the simulator) between bytecodes; outside
     the main thread, where signals cannot be delivered, the block simply runs without a deadline.
@@ -24,7 +25,10 @@ def deadline(seconds: float) -> Iterator[None]:
         return
 
     def expire(_signum: int, _frame: object) -> None:
-        raise DeadlineExceeded(f"still running after {seconds} s")
+        if what is None:
+            raise DeadlineExceeded(f"still running after {seconds} s")
+        raise DeadlineExceeded(f"{what} ran for more than {seconds:g} s: an input that should be "
+                               "refused runs on")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

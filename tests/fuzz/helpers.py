@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from hypothesis import settings
 
 from jalapeno_emu.errors import EmuError
+from tests.deadline import DeadlineExceeded, deadline
 
 __all__ = ["Hang", "call", "fuzz_settings", "time_limit"]
 
@@ -30,32 +29,17 @@ def fuzz_settings(max_examples: int, deadline_s: float) -> settings:
     return settings(max_examples=max_examples * _SCALE, deadline=timedelta(seconds=deadline_s))
 
 
-class Hang(AssertionError):
-    """An example ran past its hard time limit: an input the code should have refused runs on."""
+Hang = DeadlineExceeded
+"""An example ran past its hard time limit: an input the code should have refused runs on."""
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float, what: str) -> Iterator[None]:
+def time_limit(seconds: float, what: str) -> contextlib.AbstractContextManager[None]:
     """Raise :class:`Hang` naming ``what`` if the block runs longer than ``seconds``.
 
     Hypothesis's deadline is only checked once an example returns, so an endless loop would stall
-    the suite; SIGALRM interrupts it. Only in the main thread (signals are delivered there); a
-    worker thread simply runs without the alarm.
+    the suite; the shared SIGALRM deadline (``tests/deadline.py``) interrupts it.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _alarm(signum: int, frame: Any) -> None:
-        raise Hang(f"{what} ran for more than {seconds:g} s: an input that should be refused runs on")
-
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    return deadline(seconds, what)
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
+from jalapeno_emu.cli.narrow import fit_table
 from jalapeno_emu.errors import EmuError
 from jalapeno_emu.files import check_output_path
 
@@ -73,10 +75,18 @@ not say: rich's default there is 80, which cut the headers of wide tables (``tok
 has no width to keep to, so a table gets the width its content needs, up to this."""
 
 
+class FittingConsole(Console):
+    """A console that prints a table too wide for it as records (``cli.narrow.fit_table``)
+    instead of cutting its headers and numbers; everything else prints as rich prints it."""
+
+    def print(self, *objects, **kwargs) -> None:
+        super().print(*(fit_table(o, self) if isinstance(o, Table) else o for o in objects), **kwargs)
+
+
 def _console(*, stderr: bool = False) -> Console:
     """A rich console on stdout (or stderr) that keeps a terminal's width and takes
-    ``PIPE_WIDTH`` columns anywhere else."""
-    console = Console(stderr=stderr, highlight=False)
+    ``PIPE_WIDTH`` columns anywhere else; tables wider than it print as records."""
+    console = FittingConsole(stderr=stderr, highlight=False)
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = PIPE_WIDTH
     return console

@@ -98,3 +98,41 @@ def test_wide_tables_keep_their_headers_when_output_is_not_a_terminal(capsys, mo
 def test_an_explicit_columns_setting_is_kept(monkeypatch, columns):
     monkeypatch.setenv("COLUMNS", columns)
     assert App().console.width == int(columns)
+
+
+def _wide_table(columns: int) -> Table:
+    table = Table(title="serving")
+    for i in range(columns):
+        table.add_column(f"tok/s/user {i}", justify="right")
+    table.add_row(*[f"{1_234_567 + i:,}" for i in range(columns)])
+    table.add_row(*[f"{7_654_321 + i:,}" for i in range(columns)])
+    return table
+
+
+def test_a_table_too_wide_for_a_narrow_terminal_prints_as_records(capsys, monkeypatch):
+    # rich would cut every header and number to "tok/s…" / "1,234…" at 60 columns.
+    monkeypatch.setenv("COLUMNS", "60")
+    App().console.print(_wide_table(9))
+    out = capsys.readouterr().out
+    assert "…" not in out and "serving" in out
+    for i in range(9):
+        # each header once per row, each cell whole, in row order
+        assert out.count(f"tok/s/user {i} ") == 2, out
+        assert out.index(f"{1_234_567 + i:,}") < out.index(f"{7_654_321 + i:,}")
+
+
+def test_a_table_that_fits_prints_as_a_table(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    App().console.print(_wide_table(3))
+    out = capsys.readouterr().out
+    assert "┃" in out or "│" in out, out  # the table's own frame: not turned into records
+    assert out.count("tok/s/user 0") == 1
+
+
+def test_a_whole_command_on_a_narrow_terminal_cuts_no_word(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "72")
+    assert main(["model", *LAYER]) == 0
+    out = capsys.readouterr().out
+    # The status line ("... (fusion step)…") ends in an ellipsis of its own.
+    cut = [line for line in out.splitlines() if "…" in line and "(fusion" not in line]
+    assert not cut and "µs total" in out, cut

@@ -323,6 +323,8 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
     ((('sem', 3), ('count', 1)), '<asm>:1')
     """
     asm = _Asm(source)
+    # Editors on Windows start UTF-8 files with a byte-order mark; it is not part of line 1.
+    text = text.removeprefix("\ufeff")
     directives: list[tuple[int, list[_Tok]]] = []
     statements: list[tuple[int, str]] = []  # line number, code without its comment
     for lineno, raw in enumerate(text.splitlines(), start=1):

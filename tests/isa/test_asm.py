@@ -231,3 +231,11 @@ def test_comments_blank_lines_and_defaults():
     assert p.name == "k" and p.preset == "tiny" and p.instructions == ()
     assert p.allocations == (Allocation("x;y#z", Space.HBM, 0, 0, 8),)
     assert assemble("").name == "kernel"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line():
+    # Windows editors save UTF-8 with a BOM; before, line 1 read as "\ufeff.kernel" and failed.
+    text = ".kernel bom\nc0.mxu: sem.signal 3\n"
+    with_bom = assemble("\ufeff" + text)
+    assert with_bom.name == assemble(text).name == "bom"
+    assert with_bom.instructions == assemble(text).instructions

@@ -19,10 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from jalapeno_emu import mx as mx
 from jalapeno_emu.errors import EmuError as EmuError
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time see _LAZY
+    from jalapeno_emu import mx
     from jalapeno_emu.chip import load_preset
     from jalapeno_emu.emu import check_program, run_functional, run_timing
     from jalapeno_emu.isa.builder import KernelBuilder
@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time see _LAZY
 __version__ = "0.1.0"
 
 _LAZY = {
+    "mx": "jalapeno_emu",
     "load_preset": "jalapeno_emu.chip",
     "KernelBuilder": "jalapeno_emu.isa.builder",
     "check_program": "jalapeno_emu.emu",
@@ -67,6 +68,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name == "mx":  # a subpackage: importing it sets the attribute
+        value = importlib.import_module("jalapeno_emu.mx")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

@@ -28,7 +28,6 @@ from jalapeno_emu.chip import (
 )
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.cli.options import add_key_value_option
-from jalapeno_emu.emu import microbench, run_timing
 
 DEFAULT_PRESET = "jalapeno-v1"
 
@@ -79,6 +78,8 @@ def _report(app: App, command: str, args: argparse.Namespace, spec: ChipSpec, ro
 def run_hbm(app: App, args: argparse.Namespace) -> int:
     """Stream from HBM on every core and DMA queue; report achieved and peak bandwidth."""
     spec = _spec(args)
+    from jalapeno_emu.emu import microbench, run_timing  # the builder loads JAX (via mx): only here
+
     total = microbench.default_stream_bytes(spec)
     if args.total is not None:
         try:
@@ -125,6 +126,8 @@ def run_mxu(app: App, args: argparse.Namespace) -> int:
     spec = _spec(args)
     m, n, k = _shape(args.shape)
     app.status(f"timing a {m}x{n}x{k} MXFP4 GEMM on {spec.core.count} cores")
+    from jalapeno_emu.emu import microbench, run_timing
+
     tl = run_timing(microbench.mxu_program(spec, m, n, k), spec)
     s = tl.summary()
     peak = spec.derived()["peak_mxfp4_flops_per_s"]

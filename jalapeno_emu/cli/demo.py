@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from rich.table import Table
 
-from jalapeno_emu import mx
 from jalapeno_emu.cli.app import Abort, App
 
 HIDDEN = 2880  # gpt-oss-120b hidden_size (https://huggingface.co/openai/gpt-oss-120b config.json)
@@ -37,6 +34,8 @@ def synthetic_expert_weight(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     Student-t (4 degrees of freedom) entries scaled to std 0.02, plus a few outlier input channels
     10x larger, so block amax varies and the scale rules differ.
     """
+    import jax.numpy as jnp  # here: `jalapeno-emu --help` and other commands need not load JAX
+
     rng = np.random.default_rng(seed)
     w = rng.standard_t(4, size=(rows, cols)).astype(np.float32) * np.float32(0.02 / np.sqrt(2.0))
     outliers = rng.choice(rows, size=max(1, rows // 256), replace=False)
@@ -62,6 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _timed(fn, repeats: int = 3) -> tuple[float, object]:
     """(best wall seconds over `repeats` after one warm-up call, result)."""
+    import jax
+
     out = jax.block_until_ready(fn())
     best = float("inf")
     for _ in range(repeats):
@@ -82,6 +83,10 @@ def run(app: App, args: argparse.Namespace) -> int:
 
 def run_numerics(app: App, args: argparse.Namespace) -> int:
     """Quantise the synthetic weight under each scale mode and report."""
+    import jax.numpy as jnp
+
+    from jalapeno_emu import mx
+
     if args.rows <= 0 or args.cols <= 0 or args.rows % 32:
         raise Abort(f"--rows must be a positive multiple of 32 and --cols positive "
                     f"(got {args.rows} x {args.cols})")

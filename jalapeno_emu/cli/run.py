@@ -14,7 +14,6 @@ from jalapeno_emu.cli.app import Abort, App, output_file
 from jalapeno_emu.cli.human import metrics_table, trace_note, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.emu.check import check_program
-from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.files import check_output_paths, read_input_bytes
 from jalapeno_emu.isa.asm import assemble
@@ -66,6 +65,8 @@ def run(app: App, args: argparse.Namespace) -> int:
     functional = None
     if not args.timing_only:
         app.status(f"functional pass: {len(program.instructions)} instructions")
+        from jalapeno_emu.emu.functional import run_functional  # loads JAX: only when it runs
+
         result = run_functional(program, debug=args.debug)
         functional = {}
         for a in program.allocations:

@@ -19,9 +19,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jax
-from jax.experimental.compilation_cache import compilation_cache as _jax_cache
-
 from jalapeno_emu.files import cache_root
 
 __all__ = ["compile_cache_dir", "default_cache_dir", "disable_compile_cache", "enable_compile_cache",
@@ -43,6 +40,8 @@ def wanted_by_environment() -> bool:
 
 def compile_cache_dir() -> Path | None:
     """The directory JAX caches compiled functions in now, or None when the cache is off."""
+    import jax  # here, not at the top: importing this module must not load JAX (CLI start-up)
+
     current = jax.config.jax_compilation_cache_dir
     return Path(current) if current else None
 
@@ -59,6 +58,9 @@ def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path | N
         where.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as _jax_cache
+
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -71,6 +73,9 @@ def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path | N
 
 def disable_compile_cache() -> None:
     """Turn the persistent cache off for this process (compiled functions stay in memory)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as _jax_cache
+
     jax.config.update("jax_compilation_cache_dir", None)
     _jax_cache.reset_cache()
     _state["decided"] = True

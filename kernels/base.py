@@ -348,6 +348,10 @@ class KernelDef:
             runs stand-alone.
         tensors_of: (shape, chip spec) -> the kernel's HBM tensors (``TensorSpec``), in the
             order the stand-alone program allocates them.
+        timing_defaults: shape keys whose default differs when only timing runs (``kernel
+            --timing-only``): a default that a functional run needs for correctness on any data
+            (moe's ``routing=any``: every token in every expert slot, 32x the routed work at
+            gpt-oss shapes) where timing wants the expected case (``routing=uniform``).
     """
 
     name: str
@@ -356,6 +360,7 @@ class KernelDef:
     build: Callable[[dict[str, Any], ChipSpec], KernelBuild]
     emit: Callable[..., Any] | None = None
     tensors_of: Callable[[dict[str, Any], ChipSpec], tuple[TensorSpec, ...]] | None = None
+    timing_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         raw = self.build
@@ -373,9 +378,12 @@ class KernelDef:
         build._checks_shape = True  # type: ignore[attr-defined]
         object.__setattr__(self, "build", build)
 
-    def defaults(self) -> dict[str, Any]:
-        """The default (small) shape."""
-        return {k.name: k.default for k in self.shape_keys}
+    def defaults(self, *, timing_only: bool = False) -> dict[str, Any]:
+        """The default (small) shape; with ``timing_only``, updated with ``timing_defaults``."""
+        shape = {k.name: k.default for k in self.shape_keys}
+        if timing_only:
+            shape.update(self.timing_defaults)
+        return shape
 
     def check_shape(self, shape: Mapping[str, Any], spec: ChipSpec | None = None) -> None:
         """Refuse, in microseconds, a shape this kernel must not be built at: a value of the wrong
@@ -429,14 +437,15 @@ class KernelDef:
             else "use a preset with more HBM")
 
     def shape(self, overrides: Mapping[str, Any] | None = None,
-              texts: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-        """Default shape updated with typed ``overrides`` and ``key=value`` ``texts``.
+              texts: list[str] | tuple[str, ...] = (), *, timing_only: bool = False) -> dict[str, Any]:
+        """Default shape (``timing_only``: with ``timing_defaults``) updated with typed
+        ``overrides`` and ``key=value`` ``texts``.
 
         Format keys come back in the kernel's spelling whichever one was given (``act_fmt="e4m3"``
         is stored as ``"fp8e4"``), so builds, plans and reports see one name per format.
         """
         keys = {k.name: k for k in self.shape_keys}
-        shape = self.defaults()
+        shape = self.defaults(timing_only=timing_only)
         for name, value in (overrides or {}).items():
             if name not in keys:
                 raise InvalidArgumentError(

@@ -390,4 +390,7 @@ MOE = register(KernelDef(
     build=build_moe,
     emit=_emit_kernel,
     tensors_of=moe_tensors,
+    # Timed alone, a batch is what the model runner times: the expected routed rows, not every
+    # token in every slot (which only a functional run on unknown data needs).
+    timing_defaults={"routing": "uniform"},
 ))

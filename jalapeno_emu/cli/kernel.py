@@ -64,8 +64,14 @@ def run(app: App, args: argparse.Namespace) -> int:
         return 0
     kdef = get_kernel(args.name)
     spec = apply_overrides(load_preset(args.preset), args.overrides)
-    shape = kdef.shape(texts=args.shape)
+    shape = kdef.shape(texts=args.shape, timing_only=args.timing_only)
     app.status(f"{kdef.name} {key_values(shape)} on {spec.name}")
+    given = {text.partition("=")[0] for text in args.shape or ()}
+    timed_default = {k: v for k, v in kdef.timing_defaults.items() if args.timing_only and k not in given}
+    if timed_default:
+        functional = " ".join(f"{k}={kdef.defaults()[k]}" for k in timed_default)
+        app.status(f"timing-only default {key_values(timed_default)}: the expected case "
+                   f"(--shape {functional} for the functional runs' default)")
     # run_kernel builds, checks, times and runs in one call, so the passes inside it report to
     # the display through the context instead of through an argument.
     with _LongRunDisplay(app, kdef.name, check=args.check) as display, \

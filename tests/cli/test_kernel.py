@@ -57,3 +57,23 @@ def test_a_long_run_warns_on_stderr_and_points_at_timing_only(capsys, monkeypatc
 def test_a_short_run_does_not_warn(capsys):
     assert main(["kernel", "rmsnorm", "--shape", "tokens=4", "--check"]) == 0
     assert "--timing-only" not in capsys.readouterr().err
+
+
+def _moe_json(capsys, *extra: str) -> dict:
+    assert main(["kernel", "moe", "--timing-only", "--json", *extra]) == 0
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
+
+
+def test_a_timed_moe_does_the_routed_work_unless_told_otherwise(capsys):
+    # tiny default shape: 4 tokens, 8 experts, top-2, hidden = intermediate = 64 (SwiGLU: 3 matmuls)
+    routed = 2 * 4 * 2 * 3 * 64 * 64
+    router = 2 * 4 * 64 * 8
+    doc, _ = _moe_json(capsys)
+    assert doc["shape"]["routing"] == "uniform" and doc["flops"] == routed + router
+    # asked for: kept, and the worst case is more work
+    worst, _ = _moe_json(capsys, "--shape", "routing=any")
+    assert worst["shape"]["routing"] == "any" and worst["flops"] > doc["flops"]
+    # the tables say which default was taken
+    assert main(["kernel", "moe", "--timing-only"]) == 0
+    assert "timing-only default routing=uniform" in capsys.readouterr().err

@@ -4,8 +4,9 @@ Stage: ISA, right after numerics. It holds the instruction table (the single sou
 for mnemonics, operands, encodings, legality and timing parameters), the program representation,
 the encoder, assembler, disassembler and builder. Its matrix-unit instruction computes exactly
 ``jalapeno_emu.mx.matmul``.
-Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker, the binary encoding, the
-assembler/disassembler and the generated reference (``isa/README.md``).
+Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker (``check_legality``;
+``check_program`` is its deprecated old name), the binary encoding, the assembler/disassembler and
+the generated reference (``isa/README.md``).
 
 The program representation (``Instruction``, ``Program``, ``Tile``: ``program.py``) lives here,
 below the emulator, which reads it; the ISA never imports the emulator. The modules that handle
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time se
     from .asm import assemble, disassemble
     from .builder import KernelBuilder, MXTensor, Semaphore
     from .encoding import decode, decode_program, encode, encode_program
-    from .legality import check_instruction, check_program
+    from .legality import check_instruction, check_legality, check_program
     from .reference import reference_markdown
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "assemble",
     "by_mnemonic",
     "check_instruction",
+    "check_legality",
     "check_program",
     "decode",
     "decode_program",
@@ -52,7 +54,8 @@ _LAZY = {
     "encode": "encoding",
     "encode_program": "encoding",
     "check_instruction": "legality",
-    "check_program": "legality",
+    "check_legality": "legality",
+    "check_program": "legality",  # deprecated: check_legality (it warns when called)
     "reference_markdown": "reference",
     "KernelBuilder": "builder",
     "MXTensor": "builder",

@@ -39,6 +39,8 @@ way and leaves out those equal to their default). Operand values:
   name declared with ``.sem``.
 - fimm: any Python float literal (``7``, ``-7.0``, ``1e-6``, ``inf``).
 - enum: one of the row's choices, unquoted.
+- label: a name or a double-quoted JSON string, 1 to 64 printable characters
+  (``c0.vpu: probe sram[0]:0x0:f32[8,1], "rowmax after exp"``).
 
 Every integer must fit the field the binary format stores it in (``isa/encoding.py``): u32 for
 tile cores, rows, columns and semaphore ids, i32 for allocation cores, u64 for offsets, strides
@@ -229,6 +231,8 @@ class _Asm:
                                      line, tok.col)
                 return sem_id
             return self.integer(tok, line, what, field="u32")
+        if op.kind == "label":  # its length and characters are checked with the instruction
+            return self.name(tok, line, what)
         raise AssertionError(op.kind)  # pragma: no cover - legality rejects unknown kinds first
 
 
@@ -273,10 +277,21 @@ def _tokens(text: str, start: int = 0) -> list[_Tok]:
 
 
 def _split_operands(text: str, start: int, line: int, asm: _Asm) -> list[_Tok]:
-    """Split on commas outside [brackets]; each piece stripped, with its 1-based column."""
+    """Split on commas outside [brackets] and "quotes"; each piece stripped, with its 1-based column."""
     pieces, depth, begin = [], 0, 0
+    in_quote = escaped = False
     for i, ch in enumerate(text + ","):
-        if ch == "[":
+        if in_quote and i < len(text):  # a quoted label may hold commas and brackets
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_quote = False
+            continue
+        if ch == '"':
+            in_quote = True
+        elif ch == "[":
             depth += 1
         elif ch == "]":
             depth = max(depth - 1, 0)
@@ -376,7 +391,7 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
                 raise asm.error(f"duplicate allocation name {a_name!r} in {args[0].text}", lineno,
                                 args[1].col, hint=f"first allocated on line {alloc_keys[key]}")
             alloc_keys[key] = lineno
-            allocations.append(Allocation(a_name, space, core, offset, size))
+            allocations.append(Allocation(a_name, space, core, offset, size, f"{asm.source}:{lineno}"))
         elif head.text == ".sem":
             sem_id = asm.integer(args[0], lineno, "semaphore id", field="u32")
             s_name = asm.name(args[1], lineno, "semaphore name")
@@ -551,6 +566,8 @@ def _value(op: OperandSpec, value: Any, sem_names: Mapping[int, str]) -> str:
         return repr(float(value))
     if op.kind == "sem":
         return sem_names.get(value, str(int(value)))
+    if op.kind == "label":
+        return _name(value)
     return str(value) if op.kind == "enum" else str(int(value))
 
 

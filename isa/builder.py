@@ -53,6 +53,27 @@ def _in_builder(filename: str) -> bool:
 _LABELS: dict[str, str] = {}
 
 
+# (id of a code object, instruction offset) -> (the code object, "file:line"): a frame's line
+# number is worked out from its code's line table, a scan that costs more than issuing the
+# instruction in long kernel functions; a call site's line never changes. The code object is
+# kept so that an id reused after it is freed cannot match.
+_SITES: dict[tuple[int, int], tuple[Any, str]] = {}
+
+
+def _site(frame: Any, label: str) -> str:
+    """"label:line" of ``frame``'s current line, cached per call site."""
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    hit = _SITES.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    if len(_SITES) >= 1 << 16:  # generated code could make call sites without end
+        _SITES.clear()
+    text = f"{label}:{frame.f_lineno}"
+    _SITES[key] = (code, text)
+    return text
+
+
 def _caller_source() -> str:
     """"file:line" of the first frame outside the builder (the user's kernel code)."""
     frame = sys._getframe(1)
@@ -62,7 +83,7 @@ def _caller_source() -> str:
             label = _LABELS.get(name)
             if label is None:
                 label = _LABELS[name] = os.path.basename(name)
-            return f"{label}:{frame.f_lineno}"
+            return _site(frame, label)
         frame = frame.f_back
     return ""
 
@@ -71,8 +92,12 @@ def _source_of_caller() -> str:
     """``_caller_source()`` for an issue method: its caller's frame is usually the kernel's, whose
     file is then known."""
     frame = sys._getframe(2)
-    label = _LABELS.get(frame.f_code.co_filename)
-    return f"{label}:{frame.f_lineno}" if label is not None else _caller_source()
+    code = frame.f_code
+    hit = _SITES.get((id(code), frame.f_lasti))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    label = _LABELS.get(code.co_filename)
+    return _site(frame, label) if label is not None else _caller_source()
 
 
 @dataclass(frozen=True)
@@ -86,7 +111,7 @@ class Semaphore:
         return self.id
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MXTensor:
     """An MX tensor in memory: element codes and their E8M0 scales, blocked by 32 along ``axis``.
 
@@ -112,9 +137,20 @@ class MXTensor:
                 raise IllegalInstruction(f"rows {row}..{row + rows} of an MX tensor blocked along "
                                          "rows must be multiples of 32")
             scales = self.scales.sub(row // 32, col, rows // 32, cols)
-        return MXTensor(self.codes.sub(row, col, rows, cols), scales, self.axis)
+        out = _new(MXTensor)  # the fields of a valid tensor's parts: set, not checked again
+        _SET_MX_CODES(out, self.codes.sub(row, col, rows, cols))
+        _SET_MX_SCALES(out, scales)
+        _SET_MX_AXIS(out, self.axis)
+        return out
 
 
+_new = object.__new__
+_SET_MX_CODES, _SET_MX_SCALES, _SET_MX_AXIS = (
+    MXTensor.__dict__[name].__set__ for name in ("codes", "scales", "axis"))
+
+
+_MATMUL_OPERANDS = ("acc", "a", "b", "a_scale", "b_scale", "mode")
+_getframe = sys._getframe
 _UNARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.unary")].operand("op").choices
 _BINARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.binary")].operand("op").choices
 
@@ -161,7 +197,11 @@ class EngineHandle:
             pads = layout.pads
 
             def method(*a: Any, **k: Any) -> Instruction:
-                source = _source_of_caller()
+                # _source_of_caller's cache hit, inline: one call fewer per instruction
+                frame = _getframe(1)
+                code = frame.f_code
+                hit = _SITES.get((id(code), frame.f_lasti))
+                source = hit[1] if hit is not None and hit[0] is code else _source_of_caller()
                 if k or len(a) != n_operands:
                     tail = None if k else pads.get(len(a))
                     a = a + tail if tail is not None else _bind(engine, row, layout, a, k, source)
@@ -174,14 +214,22 @@ class EngineHandle:
             def method(*a: Any, **k: Any) -> Instruction:
                 if k or len(a) != 2:
                     a = _bind_short(engine, unary, name, a, k, _source_of_caller())
-                return unary.issue(kb, engine, (name, *a), _source_of_caller())
+                frame = _getframe(1)
+                code = frame.f_code
+                hit = _SITES.get((id(code), frame.f_lasti))
+                source = hit[1] if hit is not None and hit[0] is code else _source_of_caller()
+                return unary.issue(kb, engine, (name, *a), source)
         elif name in _BINARY_OPS and "binary" in rows:
             binary = _LAYOUTS[rows["binary"].mnemonic]
 
             def method(*a: Any, **k: Any) -> Instruction:
                 if k or len(a) != 3:
                     a = _bind_short(engine, binary, name, a, k, _source_of_caller())
-                return binary.issue(kb, engine, (name, *a), _source_of_caller())
+                frame = _getframe(1)
+                code = frame.f_code
+                hit = _SITES.get((id(code), frame.f_lasti))
+                source = hit[1] if hit is not None and hit[0] is code else _source_of_caller()
+                return binary.issue(kb, engine, (name, *a), source)
         elif name.startswith("_") or not rows:
             # Protocol probes (copy's __deepcopy__, pickle's __getstate__) and a half-built
             # handle: the plain error, at once.
@@ -197,7 +245,13 @@ class EngineHandle:
         """``mxu.matmul`` with MXTensor operands (codes and scales passed together)."""
         a_codes, a_scale = (a.codes, a.scales) if isinstance(a, MXTensor) else (a, None)
         b_codes, b_scale = (b.codes, b.scales) if isinstance(b, MXTensor) else (b, None)
-        return self._kb._issue(self.engine, self._rows["matmul"], (acc, a_codes, b_codes),
+        row = self._rows["matmul"]
+        layout = _LAYOUTS.get(row.mnemonic)
+        if layout is not None and layout.row is row and layout.names == _MATMUL_OPERANDS:
+            # every operand given in table order: what binding them by name would produce
+            return layout.issue(self._kb, self.engine, (acc, a_codes, b_codes, a_scale, b_scale, mode),
+                                _source_of_caller())
+        return self._kb._issue(self.engine, row, (acc, a_codes, b_codes),
                                {"a_scale": a_scale, "b_scale": b_scale, "mode": mode},
                                _caller_source())
 
@@ -255,6 +309,9 @@ class Region:
         self.kb, self.name, self.arena = weakref.proxy(kb), name, arena
         self.fences: list[tuple[int, int]] = []
         self.engines: dict[Engine, None] = {}
+        # id -> Engine object already in ``engines`` (kept: its id is not reused): the issue
+        # functions test this on every instruction, cheaper than hashing the Engine.
+        self._seen: dict[int, Engine] = {}
         self.ranges: list[tuple[int, int]] = []
         self.done: tuple[Semaphore, int] | None = None
         self._start = -1
@@ -277,6 +334,12 @@ class Region:
         end = len(self.kb._instructions)
         if end > self._start:
             self.ranges.append((self._start, end))
+
+    def _enter(self, engine: Engine) -> None:
+        """Before an instruction of an Engine object not seen in the region yet."""
+        if engine not in self.engines:
+            self._first_use(engine)
+        self._seen[id(engine)] = engine
 
     def _first_use(self, engine: Engine) -> None:
         """Before the engine's first instruction in the region: wait for every fence."""
@@ -335,6 +398,8 @@ class KernelBuilder:
         self._sems: list[Semaphore] = []
         self._cores: dict[int, CoreHandle] = {}
         self._tensors: dict[str, tuple[str, tuple[int, int]]] = {}
+        # On-chip buffers as allocated, (space, core, name) -> (dtype, shape), for reading back.
+        self._buffers: dict[tuple[str, int, str], tuple[str, tuple[int, int]]] = {}
         self._region: Region | None = None  # the region being emitted into, if any
         self._regions: list[Region] = []
         self.link = EngineHandle(self, Engine(-1, "link"))
@@ -376,24 +441,27 @@ class KernelBuilder:
         if space is not Space.HBM and not 0 <= core < self.chip.core.count:
             raise InvalidArgumentError(
                 f"core {core} does not exist: {self.chip.name} has {self.chip.core.count} cores")
-        capacity = {Space.HBM: self.chip.hbm.capacity_bytes,
-                    Space.SRAM: self.chip.sram.scratchpad_bytes,
-                    Space.ACC: self.chip.sram.accumulator_bytes}[space]
+        source = _caller_source()
         if reg is not None and reg.arena is not None and space is not Space.HBM:
             start, fences = reg.arena.alloc(space, core, nbytes, align, reg, keep)
             reg.add_fences(fences)
-            self._allocs.append(Allocation(name, space, core, start, nbytes))
+            self._allocs.append(Allocation(name, space, core, start, nbytes, source))
             self._alloc_names.add(key)
             return start
+        # capacities read here: an arena's allocations (most of a fused program's) never need them
+        capacity = {Space.HBM: self.chip.hbm.capacity_bytes,
+                    Space.SRAM: self.chip.sram.scratchpad_bytes,
+                    Space.ACC: self.chip.sram.accumulator_bytes}[space]
         start = -(-self._next.get((space, core), 0) // align) * align
         if start + nbytes > capacity:
             where = "HBM" if space is Space.HBM else f"{space.value} of core {core}"
             raise CapacityExceeded(
                 f"allocating {name!r} ({nbytes:,} B) in {where}: {capacity - start:,} B of "
-                f"{capacity:,} B are free", hint="use smaller tiles or reuse buffers")
+                f"{capacity:,} B are free", source=source or None,
+                hint="use smaller tiles or reuse buffers")
         self._next[(space, core)] = start + nbytes
         self._allocs.append(Allocation(name, space, core if space is not Space.HBM else 0,
-                                       start, nbytes))
+                                       start, nbytes, source))
         self._alloc_names.add(key)
         return start
 
@@ -411,6 +479,8 @@ class KernelBuilder:
         off = self._alloc(space, core, name, nbytes, align, keep)
         if space is Space.HBM:
             self._tensors[self._scoped(name)] = (dtype, (rows, cols))
+        else:
+            self._buffers[(space.value, core, self._scoped(name))] = (dtype, (rows, cols))
         return Tile(space, core if space is not Space.HBM else 0, off, dtype, rows, cols)
 
     def hbm(self, name: str, shape: tuple[int, int], dtype: str) -> Tile:
@@ -497,6 +567,7 @@ class KernelBuilder:
             preset=self.preset,
             semaphores=tuple((s.id, s.name) for s in self._sems),
             meta=(("tensors", tuple(self._tensors.items())),
+                  ("buffers", tuple(self._buffers.items())),
                   ("regions", tuple((r.name, tuple(r.ranges)) for r in self._regions))),
         )
 
@@ -637,8 +708,8 @@ def _issue_source(layout: _Layout) -> str:
     the common type of each operand tested first, then the instruction and its legality check."""
     lines = ["def issue(kb, engine, values, source):",
              "    reg = kb._region",
-             "    if reg is not None and engine not in reg.engines:",
-             "        reg._first_use(engine)",
+             "    if reg is not None and reg._seen.get(id(engine)) is not engine:",
+             "        reg._enter(engine)",
              f"    {', '.join(f'v{i}' for i in range(len(layout.names)))}, = values",
              "    base = engine.core"]
     if layout.relative_cores:
@@ -668,14 +739,21 @@ def _issue_source(layout: _Layout) -> str:
                       f"        j = bisect_left(P{i}, {v})",
                       f"        {k} = 2 * j + (j < {len(layout.points[i])} and P{i}[j] == {v})"]
         else:
-            common = {"enum": "str", "fimm": "float"}.get(op.kind, "int")
+            common = {"enum": "str", "label": "str", "fimm": "float"}.get(op.kind, "int")
             lines += [f"    if type({v}) is {common}:",
                       f"        {k} = {v}" if common != "float" else f"        {k} = (float, {v})"]
         lines += ["    else:", slow]
     n = len(layout.names)
     args = ", ".join(f"({name!r}, v{i})" for i, name in enumerate(layout.names))
     keys = " and ".join(f"k{i} is not None" for i in range(n))
-    lines += [f"    ins = Instruction(MNEMONIC, engine, ({args},), source)",
+    # The Instruction's fields through its slots' setters (a frozen dataclass's __init__ looks
+    # each up through object.__setattr__): the operands were bound above, the engine is the
+    # handle's own.
+    lines += ["    ins = new(Instruction)",
+              "    SET_MNEMONIC(ins, MNEMONIC)",
+              "    SET_ENGINE(ins, engine)",
+              f"    SET_ARGS(ins, ({args},))",
+              "    SET_SOURCE(ins, source)",
               f"    if {keys}:",
               f"        key = (ekey, engine.unit, engine.queue, MNEMONIC, "
               f"{', '.join(f'k{i}' for i in range(n))})",
@@ -727,7 +805,10 @@ class _Layout:
         self.points = tuple(points.get(name) for name in self.names)
         self.relative_cores = cores_only_compared_with_cores(row)
         self.cores_read = operands_read(row, "core")
-        scope = {"Tile": Tile, "Semaphore": Semaphore, "Instruction": Instruction, "U64": _U64_MAX,
+        scope = {"Tile": Tile, "Semaphore": Semaphore, "Instruction": Instruction, "new": object.__new__,
+                 **{f"SET_{name.upper()}": Instruction.__dict__[name].__set__
+                    for name in ("mnemonic", "engine", "args", "source")},
+                 "U64": _U64_MAX,
                  "U32": _U32_MAX, "I32": _I32_MAX,
                  "bisect_left": bisect_left, "_operand": _operand, "layout": self,
                  "MNEMONIC": row.mnemonic, **{f"P{i}": p for i, p in enumerate(self.points)}}

@@ -32,6 +32,7 @@ operands  in table order:
                 space u8 (hbm 1, sram 2, acc 3), core u32, offset u64, dtype u8 (the
                 table's DType.code), rows u32, cols u32, stride u64 (bytes)
           imm   i64         fimm  f64         enum  u8 index into choices         sem  u32
+          label str (a probe's name: 1 to 64 printable characters)
 source    str       where it was built or assembled ("k.py:42"), or empty
 ```
 
@@ -126,6 +127,8 @@ def encode(ins: Instruction) -> bytes:
             out.append(_U8.pack(op.choices.index(value)))
         elif op.kind == "sem":
             out.append(_U32.pack(value))
+        elif op.kind == "label":
+            out.append(_str(value))
         else:  # pragma: no cover - a new operand kind needs an encoding
             raise ValueError(f"no encoding for operand kind {op.kind!r}")
     out.append(_str(ins.source))
@@ -271,6 +274,8 @@ def _read_instruction(r: _Reader) -> Instruction:
             args.append((op.name, op.choices[idx]))
         elif op.kind == "sem":
             args.append((op.name, r.one(_U32, what)))
+        elif op.kind == "label":
+            args.append((op.name, r.text(what)))
         else:  # pragma: no cover
             raise ValueError(f"no decoding for operand kind {op.kind!r}")
     source = r.text(f"source of {spec.mnemonic}")

@@ -21,10 +21,11 @@ from typing import Any
 from jalapeno_emu.errors import IllegalInstruction
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 
-from .table import TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
+from .table import LABEL_MAX_CHARS, TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
 
-__all__ = ["ENGINE_UNITS", "canonical", "check_engine", "check_instruction", "check_program", "check_rule",
-           "cores_only_compared_with_cores", "integer_points", "operands_read"]
+__all__ = ["ENGINE_UNITS", "canonical", "check_engine", "check_instruction", "check_legality",
+           "check_program", "check_rule", "cores_only_compared_with_cores", "integer_points", "label_problem",
+           "operands_read"]
 
 ENGINE_UNITS = ("dma", "mxu", "vpu", "link")
 """Engine kinds an ``Engine`` may have (the table's ``unit`` may also be "any")."""
@@ -341,8 +342,35 @@ def _check_value(spec: InstrSpec, op: OperandSpec, value: Any, ins: Instruction,
             close = difflib.get_close_matches(value, op.choices, n=1)
             raise _illegal(f"{where}={value!r} is not one of {', '.join(op.choices)}", ins, index,
                            operand=op.name, hint=f"did you mean {close[0]}?" if close else None)
+    elif op.kind == "label":
+        problem = label_problem(value)
+        if problem is not None:
+            raise _illegal(f"{where} {problem}", ins, index, operand=op.name,
+                           hint=f"a label is 1 to {LABEL_MAX_CHARS} printable characters, e.g. "
+                                '"rowmax after exp"')
     else:  # pragma: no cover - a table row with a new operand kind needs checker support
         raise ValueError(f"{spec.mnemonic} operand {op.name} has unknown kind {op.kind!r}")
+
+
+def label_problem(value: Any) -> str | None:
+    """None when ``value`` is a valid ``label`` operand (a probe's name), else what is wrong.
+
+    Valid: a str of 1 to ``LABEL_MAX_CHARS`` characters, all printable (``str.isprintable``: no
+    control characters, line breaks or unpaired surrogates, so it prints on one line and encodes
+    as UTF-8), without whitespace at either end.
+    """
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not value:
+        return "is empty"
+    if len(value) > LABEL_MAX_CHARS:
+        return f"has {len(value):,} characters (at most {LABEL_MAX_CHARS})"
+    if not value.isprintable():
+        bad = next(ch for ch in value if not ch.isprintable())
+        return f"{value[:24]!r} holds the unprintable character {bad!r}"
+    if value != value.strip():
+        return f"{value!r} has whitespace at an end"
+    return None
 
 
 def operand_values(ins: Instruction, *, index: int | None = None, domains: bool = True
@@ -437,8 +465,11 @@ def check_instruction(ins: Instruction, *, index: int | None = None) -> None:
                            hint=f"see the {spec.mnemonic} section of isa/README.md")
 
 
-def check_program(program: Program) -> None:
+def check_legality(program: Program) -> None:
     """Check every instruction of ``program`` (see :func:`check_instruction`) and its engines.
+
+    Only the ISA's rules, instruction by instruction: ``jalapeno_emu.emu.check_program`` runs
+    this, then proves bounds, capacity, deadlock freedom and the absence of races.
 
     Raises:
         IllegalInstruction: the first illegal instruction, with its index in the Program.
@@ -447,3 +478,19 @@ def check_program(program: Program) -> None:
         if not isinstance(ins, Instruction):
             raise IllegalInstruction(f"program entry {ins!r} is not an Instruction", index=index)
         check_instruction(ins, index=index)
+
+
+def check_program(program: Program) -> None:
+    """Deprecated: :func:`check_legality` (its old name, which ``jalapeno_emu.emu.check_program``,
+    the full checker, also has).
+
+    Warns:
+        DeprecationWarning: naming both functions.
+    """
+    import warnings
+
+    warnings.warn("jalapeno_emu.isa.check_program is deprecated: it checks only the ISA's legality "
+                  "rules; call jalapeno_emu.isa.check_legality for that, or jalapeno_emu.emu."
+                  "check_program(program, spec) for the full checker (bounds, capacity, deadlocks, "
+                  "races, uninitialised reads)", DeprecationWarning, stacklevel=2)
+    check_legality(program)

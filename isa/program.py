@@ -77,10 +77,10 @@ def parse_engine(text: str) -> Engine:
 
 
 _BITS: dict[str, int] = {name: d.bits for name, d in DTYPES.items()}
-_set = object.__setattr__  # frozen dataclasses assign their fields this way
+_new = object.__new__
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, init=False, slots=True)
 class Tile:
     """A 2-D strided view of memory.
 
@@ -125,13 +125,16 @@ class Tile:
             raise IllegalInstruction(
                 f"row stride {stride} B is smaller than a row ({row_bytes} B): rows overlap"
             )
-        _set(self, "space", space)
-        _set(self, "core", core)
-        _set(self, "offset", offset)
-        _set(self, "dtype", dtype)
-        _set(self, "rows", rows)
-        _set(self, "cols", cols)
-        _set(self, "stride", stride)
+        # The fields through their slots' setters (what object.__setattr__, the frozen
+        # dataclass way, ends up calling, without looking them up): kernels make a tile per
+        # operand of most instructions.
+        _SET_SPACE(self, space)
+        _SET_CORE(self, core)
+        _SET_OFFSET(self, offset)
+        _SET_DTYPE(self, dtype)
+        _SET_ROWS(self, rows)
+        _SET_COLS(self, cols)
+        _SET_STRIDE(self, stride)
 
     @property
     def dt(self) -> DType:
@@ -174,12 +177,25 @@ class Tile:
             raise IllegalInstruction(
                 f"sub-tile [{row}:{row + rows}, {col}:{col + cols}] is outside [{self.rows},{self.cols}]"
             )
-        bits = _BITS[self.dtype]
+        dtype = self.dtype
+        bits = _BITS[dtype]
         if (col * bits) % 8:
-            raise IllegalInstruction(f"column {col} of a {self.dtype} tile is not byte aligned")
+            raise IllegalInstruction(f"column {col} of a {dtype} tile is not byte aligned")
         stride = self.stride
-        return Tile(self.space, self.core, self.offset + row * stride + col * bits // 8,
-                    self.dtype, rows, cols, stride)
+        offset = self.offset + row * stride + col * bits // 8
+        if rows <= 0 or cols <= 0 or (cols * bits) % 8:  # Tile() says what is wrong
+            return Tile(self.space, self.core, offset, dtype, rows, cols, stride)
+        # Inside a valid tile, with its dtype and stride, a region of whole bytes is a valid tile
+        # (offset >= 0; a stride that held a wider row holds this one): no need to check again.
+        t = _new(Tile)
+        _SET_SPACE(t, self.space)
+        _SET_CORE(t, self.core)
+        _SET_OFFSET(t, offset)
+        _SET_DTYPE(t, dtype)
+        _SET_ROWS(t, rows)
+        _SET_COLS(t, cols)
+        _SET_STRIDE(t, stride)
+        return t
 
     def __str__(self) -> str:
         where = "hbm" if self.space is Space.HBM else f"{self.space.value}[{self.core}]"
@@ -187,7 +203,11 @@ class Tile:
         return text if self.contiguous else f"{text}/{self.stride}"
 
 
-@dataclass(frozen=True)
+_SET_SPACE, _SET_CORE, _SET_OFFSET, _SET_DTYPE, _SET_ROWS, _SET_COLS, _SET_STRIDE = (
+    Tile.__dict__[name].__set__ for name in ("space", "core", "offset", "dtype", "rows", "cols", "stride"))
+
+
+@dataclass(frozen=True, slots=True)
 class Instruction:
     """One instruction, issued to one engine.
 
@@ -244,6 +264,8 @@ class Allocation:
         core: owning core for SRAM/ACC (0 for HBM).
         offset: first byte.
         nbytes: size in bytes.
+        source: where it was allocated ("kernel.py:42", "k.jasm:3"), or "" (for messages; not
+            encoded, not compared).
     """
 
     name: str
@@ -251,6 +273,7 @@ class Allocation:
     core: int
     offset: int
     nbytes: int
+    source: str = field(default="", compare=False)
 
     @property
     def end(self) -> int:
@@ -299,6 +322,10 @@ class Program:
         preset: the chip preset the program was built for.
         semaphores: names of semaphore ids (id -> name), for messages and traces.
         inits: initial HBM contents (used by ``run`` on assembly files).
+        meta: what the builder recorded beyond the instructions (not encoded, not compared):
+            "tensors" (HBM name -> (dtype, (rows, cols))), "buffers" ((space value, core, name)
+            -> (dtype, (rows, cols)) of each scratchpad and accumulator allocation) and
+            "regions"; ``FunctionalResult.read`` reads values back with these.
     """
 
     name: str

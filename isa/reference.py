@@ -15,7 +15,7 @@ __all__ = ["reference_markdown"]
 
 _REGENERATE = "python -m jalapeno_emu.isa.reference > isa/README.md"
 _KIND_TEXT = {"tile": "tile", "imm": "int (i64)", "fimm": "float (f64, used as f32)", "enum": "enum",
-              "sem": "semaphore id (u32)"}
+              "sem": "semaphore id (u32)", "label": "label (str)"}
 _UNIT_TEXT = {"dma": "`c<core>.dma<queue>`", "mxu": "`c<core>.mxu`", "vpu": "`c<core>.vpu`", "link": "`link`",
               "any": "any engine"}
 

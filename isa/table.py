@@ -24,6 +24,7 @@ from enum import Enum
 
 __all__ = [
     "DTYPES",
+    "LABEL_MAX_CHARS",
     "TABLE",
     "UNIT_KINDS",
     "DType",
@@ -89,7 +90,9 @@ class OperandSpec:
     Attributes:
         name: operand name (assembly keyword for optional operands, builder argument name).
         kind: "tile", "imm" (signed 64-bit integer), "fimm" (float, used as float32), "enum" (one of
-            ``choices``) or "sem" (semaphore id, a non-negative integer).
+            ``choices``), "sem" (semaphore id, a non-negative integer) or "label" (a short text:
+            non-empty, printable, at most ``LABEL_MAX_CHARS`` characters, no whitespace at
+            either end).
         spaces: for tiles, the memory spaces allowed.
         dtypes: for tiles, the dtypes allowed (empty: any).
         choices: for enums, the allowed spellings (encoded by index).
@@ -120,7 +123,8 @@ class InstrSpec:
         unit: the engine kind that executes it: "dma", "mxu", "vpu", "link", or "any" (sync
             instructions run on whichever engine they are issued to).
         operands: operand specs, in assembly order.
-        timing: the timing-model class ("dma", "matmul", "vector", "reduce", "sync", "link").
+        timing: the timing-model class ("dma", "matmul", "vector", "reduce", "sync", "link", or
+            "debug": takes no time and no resource, so it never changes a timing).
         doc: one paragraph for the reference: semantics.
         rules: legality rules beyond operand spaces and dtypes, each a Python expression over
             the operands (tiles expose ``rows``, ``cols``, ``shape``, ``dtype``, ``nbytes``,
@@ -146,6 +150,9 @@ class InstrSpec:
 
 
 UNIT_KINDS = ("dma", "mxu", "vpu", "link", "any")
+
+LABEL_MAX_CHARS = 64
+"""The longest ``label`` operand (a probe's name), in characters."""
 
 _SRAM = (Space.SRAM,)
 _HBM = (Space.HBM,)
@@ -439,6 +446,28 @@ TABLE: tuple[InstrSpec, ...] = (
             "id >= 0",
             "count >= 1",
         ),
+    ),
+    # --- Debugging (any engine) -----------------------------------------------------------
+    InstrSpec(
+        "probe",
+        0x50,
+        "any",
+        (
+            _tile("src", (Space.SRAM, Space.ACC, Space.HBM), doc="[R, C] tile to record (read only)"),
+            OperandSpec("label", "label", doc="name the values are returned under"),
+        ),
+        "debug",
+        "Record src's value at this point of the engine's program order; run_functional returns "
+        "it in result.probes[label] (one array per probe executed, in issue order). A probe is a "
+        "debugging aid, not a datapath: it takes no time and no resource (the timing pass gives it "
+        "zero duration and no engine waits for it, so timing is identical with or without probes), "
+        "and it may observe any memory, not only its own core's. It is a read like any other: the "
+        "checker requires it to be ordered after the writes it observes (a probe of a tile a DMA "
+        "may still be writing is a race) and refuses a probe of never-written scratchpad or "
+        "accumulators. It runs on any engine so that a value can be observed where it is made "
+        "(accumulators on the matrix unit, right after its matmul) without adding a semaphore "
+        "that would change the program; on a DMA queue it is unordered with the queue's own "
+        "transfers, like any transfer.",
     ),
     # --- mla ------------------------------------------------------------------------------
     InstrSpec(

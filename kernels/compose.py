@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.isa.builder import KernelBuilder, Region
@@ -51,15 +52,16 @@ class ArenaFull(DoesNotFit):
     """No free memory of the size asked for (the composer defers the operator, or gives up)."""
 
 
-@dataclass(frozen=True)
-class _Segment:
+class _Segment(NamedTuple):
+    """A run of free memory [start, end) and the fences a new occupant waits for (a named tuple:
+    the allocator unpacks tens of them per allocation)."""
+
     start: int
     end: int
     fences: frozenset[Ready]
 
 
-def _segment_start(s: _Segment) -> int:
-    return s.start
+_segment_start = itemgetter(0)
 
 
 class Arena:
@@ -78,6 +80,7 @@ class Arena:
         self._kept: dict[str, list[tuple[Space, int, int, int]]] = {}  # region -> output blocks
         self._age: dict[Ready, int] = {}  # fence -> release sequence number
         self._releases = 0
+        self._recent: dict[frozenset[Ready], bool] = {}  # fence set -> released recently (until a release)
 
     def _segments(self, space: Space, core: int) -> list[_Segment]:
         key = (space, core)
@@ -112,30 +115,38 @@ class Arena:
 
     def _find(self, segs: list[_Segment], nbytes: int, align: int, allow_recent: bool
               ) -> tuple[int, int, int] | None:
-        horizon = self._releases - 1
-        recent: dict[frozenset[Ready], bool] = {}  # segments share few fence sets: test each once
-        for i in range(len(segs)):
-            start = -(-segs[i].start // align) * align
-            j = i
-            while True:
-                s = segs[j]
-                if not allow_recent and s.fences:
-                    hit = recent.get(s.fences)
-                    if hit is None:
-                        hit = recent[s.fences] = any(self._age.get(f, 0) >= horizon for f in s.fences)
-                    if hit:
-                        break
-                if s.end - start >= nbytes:
-                    return i, j, start
-                if j + 1 >= len(segs) or segs[j + 1].start != s.end:
-                    break
-                j += 1
+        """(i, j, start): the first run of adjacent free segments ``segs[i..j]`` (none released
+        recently unless ``allow_recent``) holding ``nbytes`` from ``segs[i].start`` aligned up to
+        ``align``, with the least j; None when none does.
+
+        One pass: a run that starts at segment i and does not fit cannot fit from any later
+        segment of the same maximal run either (same end, a later start), so only the first
+        segment of each maximal run of adjacent usable segments is a candidate start."""
+        recent = None if allow_recent else self._recent
+        age, horizon = self._age, self._releases - 1
+        i = -1
+        start = end = 0
+        for j, (s_start, s_end, fences) in enumerate(segs):
+            if recent is not None and fences:
+                hit = recent.get(fences)
+                if hit is None:  # segments share few fence sets: test each once per release
+                    hit = recent[fences] = any(age.get(f, 0) >= horizon for f in fences)
+                if hit:
+                    i = -1
+                    continue
+            if i < 0 or s_start != end:
+                i = j
+                start = -(-s_start // align) * align
+            end = s_end
+            if end - start >= nbytes:
+                return i, j, start
         return None
 
     def release(self, region: str, fences: frozenset[Ready], *, kept: bool = False) -> None:
         """Free a region's scratch memory (or, ``kept``, its outputs) behind ``fences``."""
         blocks = (self._kept if kept else self._held).pop(region, [])
         self._releases += 1
+        self._recent = {}
         for f in fences:
             self._age[f] = self._releases
         touched: dict[tuple[Space, int], list[_Segment]] = {}
@@ -146,11 +157,14 @@ class Arena:
             segs.extend(new)
             segs.sort(key=_segment_start)
             merged: list[_Segment] = []
+            last_end, last_fences = -1, None
             for s in segs:  # merge neighbours with the same fences
-                if merged and merged[-1].end == s.start and merged[-1].fences == s.fences:
-                    merged[-1] = _Segment(merged[-1].start, s.end, s.fences)
+                s_start, s_end, fences = s
+                if s_start == last_end and fences == last_fences:
+                    merged[-1] = _Segment(merged[-1][0], s_end, fences)
                 else:
                     merged.append(s)
+                last_end, last_fences = s_end, fences
             segs[:] = merged
 
     def largest_free(self, cores: int) -> dict[Space, int]:
@@ -178,6 +192,7 @@ class Arena:
     def restore(self, state: Any) -> None:
         """Go back to a :meth:`snapshot` (which stays usable: it is copied again)."""
         free, held, kept, age, self._releases = state
+        self._recent = {}
         self._free = {k: list(v) for k, v in free.items()}
         self._held = {k: list(v) for k, v in held.items()}
         self._kept = {k: list(v) for k, v in kept.items()}

@@ -302,20 +302,20 @@ class TensorRef:
         self._check_region(r0, c0, rows, cols)
         candidates = [self.pieces[k] for k in self._overlapping(r0, c0, rows, cols)]
         order = sorted(candidates, key=lambda p: p.core != near) if near is not None else candidates
-        out: list[tuple[Piece, int, int, int, int]] = []
-        need = np.zeros((rows, cols), dtype=bool)
-        for p in order:
-            if p.tile is None:
-                continue
-            a0, b0 = max(r0, p.r0), max(c0, p.c0)
-            a1, b1 = min(r0 + rows, p.r0 + p.rows), min(c0 + cols, p.c0 + p.cols)
-            part = need[a0 - r0:a1 - r0, b0 - c0:b1 - c0]
-            if part.any():  # a replica of a region already taken (pieces are disjoint otherwise)
-                continue
-            part[...] = True
-            out.append((p, a0, b0, a1 - a0, b1 - b0))
-            if need.all():
-                return out
+        # Each piece in turn is taken when its part of the region shares no element with the
+        # parts taken before it (a replica of a region already taken is skipped; pieces are
+        # disjoint otherwise), until the parts taken cover the region. ``_cover`` does it
+        # without a numpy call per piece (a grid of the region cost several per cent of a fused
+        # step's build) and is defined at the end of this module, below every emitter.
+        #
+        # Why there: kernels record the source line of every instruction they issue
+        # ("emit.py:364"), and a Program is compared whole, sources included. A helper
+        # added above the emitters would move their lines, and so change every Program
+        # built with them, for no change in what they do. Helpers of this module go
+        # below the emitters for that reason.
+        out = _cover(order, r0, c0, rows, cols)
+        if out is not None:
+            return out
         raise InvalidArgumentError(f"the pieces of {self.name} do not cover region "
                                    f"[{r0}:{r0 + rows}, {c0}:{c0 + cols}]")
 
@@ -548,3 +548,66 @@ def emit_copy(ctx: EmitCtx, src: TensorRef, out: Out) -> Emitter:
             st.signal(put)
             st.signal(sem)
     return outs
+
+
+def _cover(order: Sequence[Piece], r0: int, c0: int, rows: int, cols: int
+           ) -> list[tuple[Piece, int, int, int, int]] | None:
+    """``TensorRef.sources``' choice: (piece, r0, c0, rows, cols) of the part of region
+    [r0:r0+rows, c0:c0+cols] each piece of ``order`` contributes, taking a piece when its part
+    shares no element with the parts taken before it, until they cover the region; None when
+    they never do.
+
+    Parts taken are disjoint, so the region is covered when their areas add up to it. When the
+    parts are bands (all span the same columns, or all the same rows) that do not overlap, which
+    is what the emitters' tensors give, every part is taken in turn; otherwise a part is tested
+    against the parts taken before it while they are few, on a grid of the region after that
+    (the test the grid alone made, a numpy call per piece, cost more than the rest)."""
+    out: list[tuple[Piece, int, int, int, int]] = []
+    r1, c1 = r0 + rows, c0 + cols
+    parts = [(p, max(r0, p.r0), min(r1, p.r0 + p.rows), max(c0, p.c0), min(c1, p.c0 + p.cols))
+             for p in order if p.tile is not None]
+    left = rows * cols
+    if _bands_apart(parts):
+        for p, a0, a1, b0, b1 in parts:
+            out.append((p, a0, b0, a1 - a0, b1 - b0))
+            left -= (a1 - a0) * (b1 - b0)
+            if left <= 0:
+                return out
+        return None
+    taken: list[tuple[int, int, int, int]] = []
+    need = None
+    for p, a0, a1, b0, b1 in parts:
+        if need is None:
+            if any(x0 < a1 and a0 < x1 and y0 < b1 and b0 < y1 for x0, x1, y0, y1 in taken):
+                continue
+            taken.append((a0, a1, b0, b1))
+            if len(taken) > 32:
+                need = np.zeros((rows, cols), dtype=bool)
+                for x0, x1, y0, y1 in taken:
+                    need[x0 - r0:x1 - r0, y0 - c0:y1 - c0] = True
+        else:
+            part = need[a0 - r0:a1 - r0, b0 - c0:b1 - c0]
+            if part.any():
+                continue
+            part[...] = True
+        out.append((p, a0, b0, a1 - a0, b1 - b0))
+        left -= (a1 - a0) * (b1 - b0)
+        if left <= 0:
+            return out
+    return None
+
+
+def _bands_apart(parts: Sequence[tuple[Any, int, int, int, int]]) -> bool:
+    """True when the (piece, r0, r1, c0, c1) parts all span the same columns and their rows do
+    not overlap, or all span the same rows and their columns do not overlap (then no two share
+    an element). False says nothing."""
+    if len(parts) < 2:
+        return True
+    _, a0, a1, b0, b1 = parts[0]
+    if all(p[3] == b0 and p[4] == b1 for p in parts):
+        spans = sorted((p[1], p[2]) for p in parts)
+    elif all(p[1] == a0 and p[2] == a1 for p in parts):
+        spans = sorted((p[3], p[4]) for p in parts)
+    else:
+        return False
+    return all(spans[k][0] >= spans[k - 1][1] for k in range(1, len(spans)))

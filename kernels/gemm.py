@@ -50,6 +50,19 @@ What the HBM address map taught us (jalapeno-v1, power-of-two shapes):
 - Decode: W's scales for a core's whole K range are loaded first, once: streamed beside each
   chunk they sit on other cores' channels and hold up every chunk's signal.
 
+Fused decode GEMVs (output kept on chip, one block per core, x resident) that stream at least
+twice what their slots hold: a DMA queue's signal lands only once everything issued before it on
+that queue has, and in a fused program the next operators' prefetch parts are issued ahead of this
+operator's rest. So the chunks of the prefetch part go on queue 1 (``FUSED_PREFETCH_QUEUE``), the
+chunks streamed slot by slot afterwards on the last queue, and x from the other operators on the
+last two; not on queue 0, where the MoE/FFN program streams its weights and the appends load
+their rows. Neither this GEMV's rest nor those signals then wait behind each other's prefetch
+(DeepSeek-R1 layer 0 at batch 1: 74.8 -> 69.2 us; o_proj's chunks had waited behind the FFN's
+prefetched weights, the MLA append's signal behind o_proj's). The chunks, their order and the
+arithmetic are the stand-alone kernel's; a stand-alone launch (output in HBM), and a GEMV whose
+stream is barely longer than its slots (gpt-oss-120b's projections: 0.2-1 us slower with their
+few later chunks on one queue), keep slot s on queue s % load_queues.
+
 Two regimes on jalapeno-v1:
 
 - Decode GEMV (m = 1..64): each core streams an Nb-column slice of W; HBM-bound when W is large
@@ -115,6 +128,7 @@ BROADCAST_MIN_BYTES = 256 * 1024  # x panels this big (or 1/16 of SRAM) are load
 RELAY_GROUP = 4  # cores that share one HBM read of an x panel
 DECODE_RELAY_GROUP = 16  # decode: cores that copy x from one core's SRAM instead of reading HBM
 TAIL_SPLITS = 2  # the last block's last chunk is halved, then its second half again
+FUSED_PREFETCH_QUEUE = 1  # a fused decode GEMV's prefetched chunks (module docstring)
 
 
 # --- numerics -------------------------------------------------------------------------------
@@ -428,7 +442,8 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                     r["x_parts"].append((0, k, r["loaded"][0], 1))
                 else:  # x from other operators: spread over the queues, with its own semaphore
                     got = kb.semaphore(f"c{members[0]}.x_in")
-                    used = fetch(r["core"].dma, r["a_buf"][0].sub(0, 0, rows, k), x, m0, 0, waited=waited)
+                    xq = [r["core"].dma[q] for q in r["x_queues"]] if "x_queues" in r else r["core"].dma
+                    used = fetch(xq, r["a_buf"][0].sub(0, 0, rows, k), x, m0, 0, waited=waited)
                     for q in used:
                         q.signal(got)
                     r["x_parts"].append((0, k, got, len(used)))
@@ -537,6 +552,14 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                                              for t, (_, rows, _, cols) in enumerate(items)]
         r["steps"] = [(t, ci, k0, kw) for t, it in enumerate(items)
                       for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1))]
+        nq = len(r["core"].dma)
+        streams_on = len(r["steps"]) >= 2 * plan.slots
+        if not y_out.in_hbm and plan.x_resident and plan.load_queues == nq >= 4 and streams_on:
+            # A fused decode GEMV that streams well past its prefetch part (module docstring):
+            # its prefetched chunks on queue 1, the rest on the last queue, x from the other
+            # operators on the last two.
+            r["chunk_queues"] = ([FUSED_PREFETCH_QUEUE], [nq - 1])
+            r["x_queues"] = [nq - 2, nq - 1]
         for step, (t, _, k0, kw) in enumerate(r["steps"][:plan.slots]):
             emit_chunk_load(r, plan, step, plan.items[c][t], k0, kw, w_view, x, loads, with_x=not defer_x)
         r["fin"] = kb.semaphore(f"c{c}.fin")
@@ -587,7 +610,7 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
             for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1)):
                 s, use = step % plan.slots, step // plan.slots
                 if use:  # the matrix unit must be done with this slot's previous chunk
-                    core.dma[s % plan.load_queues].wait(freed[s], use)
+                    core.dma[_chunk_queue(r, plan, step)].wait(freed[s], use)
                     emit_chunk_load(r, plan, step, items[t], k0, kw, w_view, x, loads)
                 b_t = b_buf[s].sub(0, 0, kw, cols)
                 if plan.w_scales_resident:
@@ -641,6 +664,19 @@ def _exchange_queues(core: Any, x: TensorRef, r0: int, c0: int, rows: int, cols:
     return [core.dma[-1 - i] for i in range(n)]
 
 
+def _chunk_queue(r: dict[str, Any], plan: GemmPlan, step: int) -> int:
+    """The DMA queue of weight chunk ``step``: slot s's queue, s % load_queues; a fused decode
+    GEMV's (``r["chunk_queues"]``) first chunks (its prefetch part) on its prefetch queues, the
+    later ones on its rest queues. A slot's loads may change queue: the next load into a slot
+    waits for the matmul that read the previous one, which waited for that load's signal."""
+    s = step % plan.slots
+    qs = r.get("chunk_queues")
+    if qs is None:
+        return s % plan.load_queues
+    pre, rest = qs
+    return pre[s % len(pre)] if step < plan.slots else rest[s % len(rest)]
+
+
 def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[int, int, int, int],
                     k0: int, kw: int, w_view: Any, x: TensorRef, loads: Any, *, with_x: bool = True) -> None:
     """Load weight chunk ``step`` (K rows k0..k0+kw of the item's columns) into its slot, with x's
@@ -648,7 +684,7 @@ def emit_chunk_load(r: dict[str, Any], plan: GemmPlan, step: int, item: tuple[in
     slot's semaphore."""
     s = step % plan.slots
     core = r["core"]
-    ld = core.dma[s % plan.load_queues]
+    ld = core.dma[_chunk_queue(r, plan, step)]
     m0, rows, n0, cols = item
     b_t = r["b_buf"][s].sub(0, 0, kw, cols)
     w_src = w_view(k0, n0, kw, cols)

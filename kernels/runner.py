@@ -120,7 +120,7 @@ def run_kernel(name: str, shape: dict[str, Any] | None = None, *, preset: str | 
         want = build.reference(inputs)
         per_output = {}
         for out, (dtype, oshape) in build.outputs.items():
-            got = result.read(out, dtype, oshape)
+            got = result.read(out, dtype, oshape, space="hbm")
             per_output[out] = _compare(got, want[out], build.tolerance.atol, build.tolerance.rtol)
         report.check = {
             "max_abs_error": max(v["max_abs_error"] for v in per_output.values()),

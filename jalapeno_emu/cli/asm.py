@@ -21,7 +21,7 @@ from jalapeno_emu.errors import AssemblyError, InvalidArgumentError
 from jalapeno_emu.files import atomic_write, check_output_paths, read_input_bytes
 from jalapeno_emu.isa.asm import assemble, disassemble, format_instruction
 from jalapeno_emu.isa.encoding import MAGIC, decode_program, encode_program
-from jalapeno_emu.isa.legality import check_program
+from jalapeno_emu.isa.legality import check_legality
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,7 +76,7 @@ def run_asm(app: App, args: argparse.Namespace) -> int:
     # above, so that `asm K.bin` says it is a binary rather than that it would be overwritten.
     check_output_paths([out], inputs=[src])
     program = assemble(text, source=str(src))
-    check_program(program)  # assemble checks each line; this also covers the whole-program checks
+    check_legality(program)  # assemble checks each line; this also covers the whole-program checks
     # No instruction sources: they hold the path as given, so the bytes would depend on the folder
     # the file was assembled from and would not survive asm -> disasm -> asm (isa/encoding.py).
     blob = encode_program(program, sources=False)

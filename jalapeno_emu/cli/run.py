@@ -71,7 +71,7 @@ def run(app: App, args: argparse.Namespace) -> int:
         functional = {}
         for a in program.allocations:
             if a.space is Space.HBM:
-                raw = result.read_bytes(a.name)
+                raw = result.read_bytes(a.name, space="hbm")  # an sram buffer may share the name
                 functional[a.name] = {
                     "bytes": int(raw.size),
                     "sha256": hashlib.sha256(raw.tobytes()).hexdigest()[:16],

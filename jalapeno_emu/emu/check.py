@@ -21,6 +21,12 @@ Ordering model (the same one the timing pass implements):
 
 Two accesses race when they touch overlapping bytes, at least one writes, and neither happens
 before the other.
+
+Messages name memory by allocation, with the tile's rows and columns inside it and the address
+range after it (``rowrecip[0:64, 0:32] (sram[c0]:0x10080..0x100a0)``); a race says which ordering
+edge is missing (a read that already has its data from another write is overtaken by the write:
+a reused slot; otherwise the read runs ahead of its write); capacity errors give the lines that
+allocated; a deadlock blames the wait that can never be met (``schedule.deadlock_error``).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from jalapeno_emu.errors import (
     UninitializedRead,
 )
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
-from jalapeno_emu.isa.table import Space
+from jalapeno_emu.isa.table import DTYPES, Space
 
 __all__ = ["check_program", "tiles_overlap"]
 
@@ -84,20 +90,283 @@ def tiles_overlap(a: Tile, b: Tile) -> bool:
     return bool(np.any(q_min <= q_max))
 
 
-def _check_capacity(program: Program, spec: ChipSpec) -> None:
+class _Allocations:
+    """The program's allocations per memory, to name the tile of a message and to bound HBM tiles.
+
+    Built once per check (sorting the allocations); a tile's containing allocation is a bisection
+    away, so the bounds check stays near-linear in the program. Shapes come from what the builder
+    records in ``Program.meta`` ("tensors", "buffers"); programs without them (assembly,
+    binaries) get byte ranges inside the allocation instead of rows and columns.
+    """
+
+    def __init__(self, program: Program) -> None:
+        meta = dict(program.meta)
+        self.shapes: dict[tuple[Space, int, str], tuple[str, tuple[int, int]]] = {}
+        try:
+            for name, (dtype, shape) in meta.get("tensors", ()):
+                self.shapes[(Space.HBM, 0, name)] = (dtype, tuple(shape))
+            for (space, core, name), (dtype, shape) in meta.get("buffers", ()):
+                self.shapes[(Space(space), core, name)] = (dtype, tuple(shape))
+        except (TypeError, ValueError):  # meta written by hand: names only
+            self.shapes = {}
+        by_mem: dict[tuple[Space, int], list[Allocation]] = defaultdict(list)
+        for a in program.allocations:
+            by_mem[(a.space, a.core if a.space is not Space.HBM else 0)].append(a)
+        # Per memory: allocations by offset, their starts, and per prefix the one reaching furthest
+        # (allocations of different regions may overlap).
+        self.mem: dict[tuple[Space, int], tuple[list[int], list[Allocation], list[Allocation]]] = {}
+        for key, allocs in by_mem.items():
+            allocs.sort(key=lambda a: (a.offset, -a.end))
+            reach: list[Allocation] = []
+            for a in allocs:
+                reach.append(a if not reach or a.end > reach[-1].end else reach[-1])
+            self.mem[key] = ([a.offset for a in allocs], allocs, reach)
+        try:
+            spans = sorted((start, end, name) for name, ranges in meta.get("regions", ())
+                           for start, end in ranges)
+        except (TypeError, ValueError):
+            spans = []
+        self.region_starts = [s for s, _, _ in spans]
+        self.region_spans = spans
+
+    @staticmethod
+    def _key(tile: Tile) -> tuple[Space, int]:
+        return (tile.space, tile.core if tile.space is not Space.HBM else 0)
+
+    def reaching(self, tile: Tile) -> Allocation | None:
+        """Of the allocations starting at or before ``tile``, the one reaching furthest (or None)."""
+        found = self.mem.get(self._key(tile))
+        if found is None:
+            return None
+        starts, _, reach = found
+        i = bisect.bisect_right(starts, tile.offset) - 1
+        return reach[i] if i >= 0 else None
+
+    def inside_one(self, tile: Tile) -> bool:
+        """True when one allocation holds every byte of ``tile``'s range."""
+        a = self.reaching(tile)
+        return a is not None and tile.end <= a.end
+
+    def _region(self, idx: int | None) -> str:
+        """The region instruction ``idx`` was issued in ("" if none; regions do not nest)."""
+        if idx is None:
+            return ""
+        i = bisect.bisect_right(self.region_starts, idx) - 1
+        return self.region_spans[i][2] if i >= 0 and idx < self.region_spans[i][1] else ""
+
+    def holding(self, tile: Tile, idx: int | None = None) -> Allocation | None:
+        """The allocation that holds ``tile`` (for instruction ``idx``: one of its region first)."""
+        found = self.mem.get(self._key(tile))
+        if found is None:
+            return None
+        starts, allocs, _ = found
+        i = bisect.bisect_right(starts, tile.offset)
+        cands = [a for a in allocs[:i] if tile.end <= a.end]
+        if len(cands) > 1:
+            scope = self._region(idx)
+            cands.sort(key=lambda a: (a.scope != scope, a.scope != "", a.nbytes))
+        return cands[0] if cands else None
+
+    def shape_of(self, a: Allocation) -> tuple[str, tuple[int, int]] | None:
+        """(dtype, (rows, cols)) the builder allocated ``a`` as, when recorded."""
+        return self.shapes.get((a.space, a.core, a.name))
+
+    def rect(self, a: Allocation, tile: Tile) -> str:
+        """``tile`` inside ``a``: "[r0:r1, c0:c1]" in ``a``'s rows and elements when it is such a
+        rectangle, else the byte range "[bytes 0x40:0x80]" relative to ``a``."""
+        rel = tile.offset - a.offset
+        shape = self.shape_of(a)
+        if shape is not None and rel >= 0:
+            dtype, (_, cols) = shape
+            dt = DTYPES.get(dtype)
+            arb = dt.row_bytes(cols) if dt is not None and cols > 0 else 0
+            if arb > 0:
+                r0, cb = divmod(rel, arb)
+                bits = dt.bits
+                if ((tile.rows == 1 or tile.stride == arb) and cb + tile.row_bytes <= arb
+                        and (cb * 8) % bits == 0 and (tile.row_bytes * 8) % bits == 0):
+                    c0, c1 = cb * 8 // bits, (cb + tile.row_bytes) * 8 // bits
+                    return f"[{r0}:{r0 + tile.rows}, {c0}:{c1}]"
+                if tile.contiguous and cb == 0 and tile.nbytes % arb == 0:
+                    return f"[{r0}:{r0 + tile.nbytes // arb}, 0:{cols}]"
+        return f"[bytes {rel:#x}:{tile.end - a.offset:#x}]"
+
+    def element(self, a: Allocation, offset: int) -> str:
+        """Byte ``offset`` of memory as an element of ``a``: "buf[4, 0]" (or "buf byte 0x40")."""
+        rel = offset - a.offset
+        shape = self.shape_of(a)
+        if shape is not None:
+            dtype, (_, cols) = shape
+            dt = DTYPES.get(dtype)
+            arb = dt.row_bytes(cols) if dt is not None and cols > 0 else 0
+            if arb > 0:
+                row, cb = divmod(rel, arb)
+                return f"{a.name}[{row}, {cb * 8 // dt.bits}]"
+        return f"{a.name} byte {rel:#x}"
+
+    def describe(self, tile: Tile, idx: int | None = None) -> str:
+        """``tile`` by allocation name, the address range as secondary detail:
+        "rowrecip[0:64, 0:32] (sram[c0]:0x10080..0x100a0)"."""
+        a = self.holding(tile, idx)
+        if a is not None:
+            return f"{a.name}{self.rect(a, tile)} ({tile.region()})"
+        a = self.reaching(tile)
+        if a is not None and tile.offset < a.end:
+            return (f"{a.name}{self.rect(a, tile)} ({tile.region()}), which runs "
+                    f"{tile.end - a.end:,} B past the end of {a.name!r}")
+        return f"{tile.region()} (in no allocation)"
+
+    def rows_note(self, a: Allocation, tile: Tile) -> str:
+        """" (X is [8, 64] f32: rows 0..7; the tile covers rows 0..8)", when shapes are known."""
+        shape = self.shape_of(a)
+        if shape is None:
+            return f" ({a.name!r} is {a.nbytes:,} B)"
+        dtype, (rows, cols) = shape
+        dt = DTYPES.get(dtype)
+        arb = dt.row_bytes(cols) if dt is not None and cols > 0 else 0
+        if arb <= 0:
+            return f" ({a.name!r} is {a.nbytes:,} B)"
+        first = (tile.offset - a.offset) // arb
+        last = (tile.end - 1 - a.offset) // arb
+        return (f" ({a.name!r} is [{rows}, {cols}] {dtype}: rows 0..{rows - 1}; the tile covers rows "
+                f"{first}..{last})")
+
+    def outside(self, tile: Tile, capacity: int) -> tuple[str, str]:
+        """Why ``tile`` is in no one allocation, and a hint that fits: (text, hint)."""
+        a = self.reaching(tile)
+        loop = "check the loop bound: the last tile runs past the end of the tensor"
+        if a is None:
+            return ("it covers no allocation (it starts before the first one)",
+                    "allocate the tensor first (.alloc / kb.hbm)")
+        if tile.offset < a.end:
+            return (f"it starts in {a.name!r} but ends {tile.end - a.end:,} B past its end"
+                    + self.rows_note(a, tile), loop)
+        gap = tile.offset - a.end
+        where = "right at the end" if gap == 0 else f"{gap:,} B past the end"
+        if gap < max(a.nbytes, 4096) and tile.offset < capacity:
+            return (f"it starts {where} of {a.name!r}, in no allocation" + self.rows_note(a, tile),
+                    "check the loop bound: one tile too many, or an offset past the tensor")
+        return (f"it covers no allocation (the nearest below it, {a.name!r}, ends {gap:,} B before "
+                "it)", "allocate the tensor first (.alloc / kb.hbm)")
+
+
+class _Context:
+    """What the messages of a check need beyond the failing access: the program, its allocations
+    (built on first use), and the walk's order and semaphore facts (to replay it up to an access)."""
+
+    def __init__(self, program: Program, order: list[int], sem_signals: Mapping[int, Mapping[Engine, int]],
+                 later: Mapping[int, Mapping[Engine, int]], allocations: _Allocations | None = None) -> None:
+        self.program, self.order, self.sem_signals, self.later = program, order, sem_signals, later
+        self._allocations = allocations
+
+    @property
+    def allocations(self) -> _Allocations:
+        if self._allocations is None:
+            self._allocations = _Allocations(self.program)
+        return self._allocations
+
+    def fed_by_another_write(self, read_idx: int, read_tile: Tile, not_idx: int) -> bool:
+        """True when a write other than instruction ``not_idx``, overlapping ``read_tile``, happens
+        before instruction ``read_idx`` in every schedule (the read takes its data from there).
+
+        Replays the walk's clocks up to the read: only when a race is reported.
+        """
+        clocks = _Clocks(self.sem_signals, self.later)
+        writes: list[tuple[Engine, int]] = []
+        instrs = self.program.instructions
+        for k in self.order:
+            ins = instrs[k]
+            eng, my_id, vc = clocks.step(k, ins)
+            if k == read_idx:
+                return any(vc.get(e, 0) >= i for e, i in writes)
+            if k != not_idx and any(w and tiles_overlap(t, read_tile) for _, t, w in ins.tiles()):
+                writes.append((eng, my_id))
+        return False
+
+
+def _race_error(ctx: _Context, idx: int, name: str, tile: Tile, writes: bool,
+                j: int, t: Tile, e: Engine, w: bool) -> Race:
+    """The Race of instruction ``idx``'s operand ``name`` (``tile``) with instruction ``j``'s access
+    ``t`` on engine ``e``: both by buffer name, and which ordering edge is missing."""
+    program, names = ctx.program, ctx.allocations
+    ins, other = program.instructions[idx], program.instructions[j]
+    here, there = names.describe(tile, idx), names.describe(t, j)
+    verb, other_verb = ("writes" if writes else "reads"), ("writes" if w else "reads")
+    text = (f"operand {name} {verb} {here}, which instruction #{j} on {e} ({other.mnemonic}, "
+            f"{other.source or 'no source'}) {other_verb}"
+            + (f" as {there}" if there != here else " too" if w == writes else "")
+            + ", with no semaphore ordering between them")
+    # Which of the two was meant to come first: a read that already has its data from another
+    # ordered write is overtaken by this write (a reused slot), otherwise the read waits for it;
+    # two writes go in issue order.
+    if writes and w:
+        first, second, kind = min(idx, j), max(idx, j), "write"
+    else:
+        (r, r_tile), wr = ((idx, tile), j) if not writes else ((j, t), idx)
+        if ctx.fed_by_another_write(r, r_tile, wr):
+            first, second, kind = r, wr, "reuse"
+        else:
+            first, second, kind = wr, r, "read"
+    a, b = program.instructions[first], program.instructions[second]
+    what = names.holding(tile, idx) or names.holding(t, j)
+    buf = repr(what.name) if what is not None else "the same bytes"
+
+    def at(k: int, x: Instruction) -> str:
+        return f"the {x.mnemonic} at {x.source or f'instruction #{k}'} ({x.engine} #{k})"
+
+    text += f": nothing orders {at(second, b)} after {at(first, a)}, so "
+    if kind == "reuse":
+        text += f"it may overwrite {buf} before that read of its old contents"
+    elif kind == "read":
+        text += f"it may read {buf} before that write lands"
+    else:
+        text += f"the two writes of {buf} may land in either order"
+    hint = (f"signal a semaphore on {a.engine} after #{first} and wait for it on {b.engine} before "
+            f"#{second}")
+    if a.engine == b.engine:
+        hint += (f" ({a.engine} keeps several transfers in flight: issue order alone does not order "
+                 "them)")
+    elif kind == "reuse":
+        hint += ": the slot is free again only once its reader is done"
+    return Race(text, index=idx, engine=str(ins.engine), source=ins.source,
+                addresses=(tile.region(), t.region()), hint=hint)
+
+
+def _uninitialized_error(ctx: _Context, tile: Tile, first_gap: int, idx: int, ins: Instruction,
+                         name: str) -> UninitializedRead:
+    """The UninitializedRead of ``ins``'s operand ``name``, whose byte ``first_gap`` nothing wrote."""
+    names = ctx.allocations
+    gap = Tile(tile.space, tile.core, first_gap, "u8", 1, 1)
+    a = names.holding(gap, idx)
+    where = names.element(a, first_gap) if a is not None else f"{first_gap:#x}"
+    return UninitializedRead(
+        f"operand {name} reads {names.describe(tile, idx)}, bytes of which nothing has written "
+        f"(the first: {where})",
+        index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
+        hint="load or compute the data first" + (
+            "; the first matmul into fresh accumulators needs mode=overwrite"
+            if ins.mnemonic in _MATMULS and name == "acc" else ""),
+    )
+
+
+def _check_capacity(program: Program, spec: ChipSpec, allocations: _Allocations | None = None) -> None:
+    """Every allocation inside its memory on a core that exists (per space and core, against
+    ``spec``), allocations of one region apart, and every tile inside its memory and HBM tiles
+    inside one allocation. Errors name the allocations with the lines that made them."""
     caps = {Space.HBM: spec.hbm.capacity_bytes, Space.SRAM: spec.sram.scratchpad_bytes,
             Space.ACC: spec.sram.accumulator_bytes}
     by_space: dict[tuple[Space, int], list] = defaultdict(list)
+    over: dict[tuple[Space, int], list[Allocation]] = {}
     for a in program.allocations:
-        where = "HBM" if a.space is Space.HBM else f"{a.space.value} of core {a.core}"
         if a.space is not Space.HBM and not 0 <= a.core < spec.core.count:
             raise CapacityExceeded(f"allocation {a.name!r} is on core {a.core}, but {spec.name} has "
-                                   f"{spec.core.count} cores")
+                                   f"{spec.core.count} cores", source=a.source or None)
         if a.end > caps[a.space]:
-            raise CapacityExceeded(
-                f"allocation {a.name!r} ends at byte {a.end:,} of {where}, which holds "
-                f"{caps[a.space]:,} B", hint="shrink the tiles or reuse buffers")
+            over.setdefault((a.space, a.core), []).append(a)
         by_space[(a.space, a.core)].append(a)
+    if over:
+        (space, core), big = next(iter(over.items()))
+        raise _capacity_error(program, space, core, big, caps[space], spec)
     for allocs in by_space.values():
         allocs.sort(key=lambda a: a.offset)
         # Regions of a fused program reuse memory over time: two allocations may overlap when
@@ -106,12 +375,14 @@ def _check_capacity(program: Program, spec: ChipSpec) -> None:
         for y in allocs:
             for scope, (end, x) in ends.items():
                 if y.offset < end and (scope == "" or y.scope in ("", scope)):
-                    raise OutOfBounds(f"allocations {x.name!r} and {y.name!r} overlap in "
-                                      f"{x.space.value} ({x.offset:#x}..{x.end:#x} and {y.offset:#x}..)")
+                    raise OutOfBounds(f"allocations {x.name!r} ({x.source or 'no source'}) and "
+                                      f"{y.name!r} ({y.source or 'no source'}) overlap in "
+                                      f"{x.space.value} ({x.offset:#x}..{x.end:#x} and {y.offset:#x}..)",
+                                      source=y.source or None)
             prev = ends.get(y.scope)
             if prev is None or y.end > prev[0]:
                 ends[y.scope] = (y.end, y)
-    hbm = sorted((a for a in program.allocations if a.space is Space.HBM), key=lambda a: a.offset)
+    names = allocations if allocations is not None else _Allocations(program)
     for idx, ins in enumerate(program.instructions):
         eng = ins.engine
         if eng.unit != "link" and not 0 <= eng.core < spec.core.count:
@@ -124,13 +395,46 @@ def _check_capacity(program: Program, spec: ChipSpec) -> None:
             if t.space is not Space.HBM and not 0 <= t.core < spec.core.count:
                 raise _err(OutOfBounds, f"operand {name} is on core {t.core}, which does not exist",
                            idx, ins, (t.region(),))
-            if t.end > caps[t.space]:
-                where = "HBM" if t.space is Space.HBM else f"the {caps[t.space]:,} B {t.space.value}"
-                raise _err(OutOfBounds, f"operand {name} reaches byte {t.end:,}, past {where}",
-                           idx, ins, (t.region(),))
-            if t.space is Space.HBM and not any(a.offset <= t.offset and t.end <= a.end for a in hbm):
-                raise _err(OutOfBounds, f"operand {name} is not inside one HBM allocation", idx, ins,
-                           (t.region(),), hint="allocate the tensor first (.alloc / kb.hbm)")
+            cap = caps[t.space]
+            if t.end > cap:
+                where = "HBM" if t.space is Space.HBM else f"the {cap:,} B {t.space.value}"
+                if t.offset < cap:
+                    how = (f"; it starts in {names.describe(t, idx)} and ends {t.end - cap:,} B past "
+                           "the end of memory")
+                    hint = "check the loop bound: the last tile runs past the end of memory"
+                else:
+                    how = f"; it starts {t.offset - cap:,} B past the end of memory"
+                    hint = "check the tile's offset: it lies wholly past the end of memory"
+                raise _err(OutOfBounds, f"operand {name} reaches byte {t.end:,}, past {where}{how}",
+                           idx, ins, (t.region(),), hint=hint)
+            if t.space is Space.HBM and not names.inside_one(t):
+                why, hint = names.outside(t, cap)
+                raise _err(OutOfBounds, f"operand {name} is not inside one HBM allocation: {why}",
+                           idx, ins, (t.region(),), hint=hint)
+
+
+def _capacity_error(program: Program, space: Space, core: int, big: list[Allocation], cap: int,
+                    spec: ChipSpec) -> CapacityExceeded:
+    """The CapacityExceeded for the allocations ``big`` that end past ``cap`` bytes of ``space``:
+    each with its line, and the first instruction that touches bytes past the end."""
+    where = "HBM" if space is Space.HBM else f"the {space.value} of core {core}"
+    listed = "; ".join(f"{a.name!r} ({a.source or 'no source'}) spans bytes {a.offset:,}..{a.end:,}"
+                       for a in big[:4])
+    more = f" and {len(big) - 4} more" if len(big) > 4 else ""
+    text = (f"{'allocation' if len(big) == 1 else 'allocations'} past the end of {where} "
+            f"({cap:,} B on {spec.name}): {listed}{more}")
+    for idx, ins in enumerate(program.instructions):
+        hit = next((n for n, t, _ in ins.tiles()
+                    if t.space is space and (space is Space.HBM or t.core == core)
+                    and any(t.offset < a.end and a.offset < t.end for a in big)), None)
+        if hit is not None:
+            text += (f"; first used by instruction #{idx} on {ins.engine} ({ins.mnemonic} operand {hit}, "
+                     f"{ins.source or 'no source'})")
+            break
+    hint = "shrink the tiles or reuse buffers"
+    if program.preset != spec.name:
+        hint += f" (the program was built for {program.preset!r}, and is checked against {spec.name!r})"
+    return CapacityExceeded(text, source=big[0].source or None, hint=hint)
 
 
 class _Clocks:
@@ -319,16 +623,21 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
 
     Raises:
         IllegalInstruction: an instruction breaks the ISA's rules.
-        CapacityExceeded, OutOfBounds: memory does not fit or a tile leaves its memory.
-        Deadlock: some engine waits forever (who waits on what is in the message).
-        Race: two unordered accesses to overlapping bytes, one a write.
+        CapacityExceeded, OutOfBounds: an allocation ends past its memory's capacity on the core
+            (per space and core, against ``spec``; the error's source is the line that
+            allocated it), or a tile leaves its memory or (HBM) its allocation.
+        Deadlock: some engine waits forever: the wait that can never be met (or the cycle of
+            waits), then every blocked engine and what it waits on.
+        Race: two unordered accesses to overlapping bytes, one a write, and the ordering edge
+            that is missing.
         UninitializedRead: SRAM or accumulators read before anything wrote them (HBM is host
             memory: inputs arrive there before a kernel starts, so it is not checked).
     """
-    from jalapeno_emu.isa.legality import check_program as check_legality
+    from jalapeno_emu.isa.legality import check_legality
 
     check_legality(program)
-    _check_capacity(program, spec)
+    allocations = _Allocations(program)
+    _check_capacity(program, spec, allocations)
     order = sequential_order(program)
 
     sem_signals: dict[int, dict[Engine, int]] = defaultdict(lambda: defaultdict(int))
@@ -336,7 +645,9 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
         if ins.mnemonic == "sem.signal":
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
 
-    clocks = _Clocks(sem_signals, _later_signals(program, order, sem_signals))
+    later = _later_signals(program, order, sem_signals)
+    clocks = _Clocks(sem_signals, later)
+    ctx = _Context(program, order, sem_signals, later, allocations)
     histories: dict[tuple[Space, int], _History] = defaultdict(_History)
     written: dict[tuple[Space, int], _IntervalSet] = defaultdict(_IntervalSet)
     progress = resolve_progress(progress, "check")
@@ -350,12 +661,12 @@ def check_program(program: Program, spec: ChipSpec, *, check_uninitialized: bool
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             history = histories[key]
             if not writes and check_uninitialized and tile.space is not Space.HBM:
-                _check_initialized(tile, written[key], idx, ins, name)
+                _check_initialized(tile, written[key], idx, ins, name, ctx)
             if ins.mnemonic in _MATMULS and name == "acc" and ins.arg("mode") == "accumulate":
                 if check_uninitialized:
-                    _check_initialized(tile, written[key], idx, ins, name)
-                history.check(tile, False, vc, idx, program, name)
-            history.check(tile, writes, vc, idx, program, name)
+                    _check_initialized(tile, written[key], idx, ins, name, ctx)
+                history.check(tile, False, vc, idx, ctx, name)
+            history.check(tile, writes, vc, idx, ctx, name)
             history.add(tile, writes, eng, my_id, idx)
             if writes and tile.space is not Space.HBM:
                 written[key].add_tile(tile)
@@ -584,7 +895,7 @@ class _History:
         return bucket
 
     def check(self, tile: Tile, writes: bool, vc: Mapping[Engine, int], idx: int,
-              program: Program, name: str) -> None:
+              ctx: _Context, name: str) -> None:
         """Raise Race if ``tile`` conflicts with an unordered kept access; drop what it covers."""
         first = None  # (sequence number, instruction index, tile, engine, writes) of the race
         start, end = tile.offset, tile.end
@@ -620,16 +931,7 @@ class _History:
                 self._remove(bucket)
         if first is not None:
             _, j, t, e, w = first
-            other = program.instructions[j]
-            ins = program.instructions[idx]
-            raise Race(
-                f"operand {name} ({'writes' if writes else 'reads'}) overlaps instruction #{j} on "
-                f"{e} ({other.mnemonic}, {'writes' if w else 'reads'}, {other.source or 'no source'}) "
-                "with no semaphore ordering between them",
-                index=idx, engine=str(ins.engine), source=ins.source,
-                addresses=(tile.region(), t.region()),
-                hint="signal a semaphore after the first and wait for it before the second",
-            )
+            raise _race_error(ctx, idx, name, tile, writes, j, t, e, w)
 
     def add(self, tile: Tile, writes: bool, eng: Engine, my_id: int, idx: int) -> None:
         """Keep the access ``tile`` of instruction ``idx`` (id ``my_id`` on ``eng``)."""
@@ -683,8 +985,22 @@ class _IntervalSet:
         i = bisect.bisect_right(self.starts, start) - 1
         return i >= 0 and self.ends[i] >= end
 
+    def first_gap(self, tile: Tile) -> int:
+        """The first byte of ``tile`` (in address order) that no interval holds, or -1."""
+        rows = [(tile.offset, tile.end)] if tile.contiguous else [
+            (tile.offset + r * tile.stride, tile.offset + r * tile.stride + tile.row_bytes)
+            for r in range(tile.rows)]
+        for start, end in rows:
+            i = bisect.bisect_right(self.starts, start) - 1
+            if i < 0 or self.ends[i] <= start:
+                return start
+            if self.ends[i] < end:
+                return self.ends[i]
+        return -1
 
-def _check_initialized(tile: Tile, written: _IntervalSet, idx: int, ins: Instruction, name: str) -> None:
+
+def _check_initialized(tile: Tile, written: _IntervalSet, idx: int, ins: Instruction, name: str,
+                       ctx: _Context) -> None:
     # Its whole byte range first: one look-up settles most strided tiles too.
     if tile.contiguous or written.covers(tile.offset, tile.end):
         ok = written.covers(tile.offset, tile.end)
@@ -693,10 +1009,4 @@ def _check_initialized(tile: Tile, written: _IntervalSet, idx: int, ins: Instruc
         ok = all(written.covers(tile.offset + r * st, tile.offset + r * st + rb)
                  for r in range(tile.rows))
     if not ok:
-        raise UninitializedRead(
-            f"operand {name} reads {tile.space.value} bytes that nothing has written",
-            index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
-            hint="load or compute the data first" + (
-                "; the first matmul into fresh accumulators needs mode=overwrite"
-                if ins.mnemonic in _MATMULS and name == "acc" else ""),
-        )
+        raise _uninitialized_error(ctx, tile, written.first_gap(tile), idx, ins, name)

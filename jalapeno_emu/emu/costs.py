@@ -41,10 +41,11 @@ TRANSCENDENTAL_OPS = frozenset({"exp", "rsqrt", "sigmoid", "silu", "recip"})
 # Kinds of work the event loop tells apart (small ints, compared in its hot loop). Kinds up to
 # WAIT are local: they touch no state another engine reads before it is final, so an engine runs
 # through them ahead of the global clock; the others are processed in time order.
-MXU, VEC, WAIT, HBM, COPY, SIGNAL, BARRIER, SEND, RECV = range(9)
-KIND_NAMES = ("mxu", "vec", "wait", "hbm", "copy", "signal", "barrier", "send", "recv")
+# PROBE (a ``probe``: timing class "debug") takes no time and nothing waits for it.
+MXU, VEC, WAIT, HBM, COPY, SIGNAL, BARRIER, SEND, RECV, PROBE = range(10)
+KIND_NAMES = ("mxu", "vec", "wait", "hbm", "copy", "signal", "barrier", "send", "recv", "probe")
 # Category per kind, an index into timeline.CATEGORIES ("dma", "mxu", "vpu", "sync", "link").
-_CATEGORY_OF_KIND = np.array([1, 2, 3, 0, 0, 3, 3, 4, 4], dtype=np.int8)
+_CATEGORY_OF_KIND = np.array([1, 2, 3, 0, 0, 3, 3, 4, 4, 3], dtype=np.int8)
 
 _MNEMONIC, _ENGINE, _ARGS = attrgetter("mnemonic"), attrgetter("engine"), attrgetter("args")
 _NAME, _VALUE = itemgetter(0), itemgetter(1)
@@ -103,7 +104,7 @@ class ProgramFacts:
         n: number of instructions.
         engines: tuple of Engine, sorted; ``engine_index`` (int32[n]) points into it.
         streams: per engine, its instruction indices in issue order.
-        kind: int8[n], ``MXU`` ... ``RECV``.
+        kind: int8[n], ``MXU`` ... ``PROBE``.
         core: int64[n] the issuing engine's core (-1 for the link engine).
         nbytes: int64[n] bytes a DMA or link send moves.
         sem: int64[n] semaphore number (an index into ``semaphore_ids``) or barrier id.
@@ -205,6 +206,8 @@ class ProgramFacts:
                     src = operand("src")
                     self.nbytes[idx] = _ints(src, _ROWS) * _row_bytes(src)
                 self.kind[idx] = SEND if mn == "link.send" else RECV
+            elif row.timing == "debug":
+                self.kind[idx] = PROBE
             else:  # a table row whose timing class this pass has no model for: say so
                 raise InvalidArgumentError(f"instruction #{int(idx[0])} ({mn}): the timing pass has "
                                            f"no cost model for timing class {row.timing!r}")
@@ -264,17 +267,20 @@ def program_facts(program: Program) -> ProgramFacts:
 class StaticCosts:
     """A program's facts priced on one chip: per-instruction costs that do not depend on the schedule.
 
-    Attributes (lists are indexed by instruction and read by the event loop; arrays feed the
-    ``Timeline``):
+    Attributes (arrays indexed by instruction unless said otherwise; the event loop,
+    ``timing_core.event_loop``, reads the first group, the ``Timeline`` the second):
         facts: the ``ProgramFacts`` (engines, streams, engine_index, semaphore_ids, ...).
-        kind: list of kinds (``MXU`` ... ``RECV``).
-        dur: list, s: engine time (matmul, vector, link send) or core DMA port time (DMA).
-        extra: list, s: DMA fixed cost beyond one setup + HBM latency (gather rounds).
-        chan: list: for HBM DMAs (service time per pseudo-channel in s, touched channel
-            indices or None for all, least service time of any channel when all are touched);
-            None otherwise.
-        a1, a2: lists: semaphore number and count/value, barrier id and count, link (peer, tag),
-            or the issuing core (DMA).
+        kind: int8 kinds (``MXU`` ... ``PROBE``).
+        dur: float64, s: engine time (matmul, vector, link send) or core DMA port time (DMA).
+        extra: float64, s: DMA fixed cost beyond one setup + HBM latency (gather rounds).
+        a1, a2: int64: semaphore number and count/value, barrier number (an index into
+            ``barrier_ids``) and count, link key number (an index into ``link_keys``, the
+            (peer, tag) pairs), or the issuing core (DMA).
+        split_of: int64 for HBM DMAs, the index of their split over the pseudo-channels (-1 for
+            others); per split: ``split_dt`` (float64[U, n_pc] service time per pseudo-channel, s),
+            ``split_dense`` (bool[U]: every channel touched), ``split_min`` (float64[U]: least
+            service time of any channel when dense, else 0), and the channels it touches,
+            ``touched[touched_off[u]:touched_off[u + 1]]``.
         category, nbytes, hbm, flops, fmt, fixed, work, core_dma: numpy arrays for the Timeline.
         channel_bytes: int64[n_pc] bytes each HBM pseudo-channel serves over the whole program.
     """
@@ -331,13 +337,24 @@ class StaticCosts:
         self.nbytes = f.nbytes
         self.fmt = f.fmt
         self.core_dma = np.where(hbm_dma | copy, dur, 0.0)
-        self.kind = kind.tolist()
-        self.dur = dur.tolist()
-        self.extra = extra.tolist()
-        self.a1 = np.where(hbm_dma | copy, f.core, f.sem).tolist()
-        self.a2 = f.count.tolist()
-        for i, key in f.links:
-            self.a1[i] = key
+        self.kind = kind
+        self.dur = dur
+        self.extra = extra
+        a1 = np.where(hbm_dma | copy, f.core, f.sem)
+        # Barriers and link keys numbered 0..B-1 and 0..L-1, as semaphores are (ProgramFacts).
+        bar = kind == BARRIER
+        self.barrier_ids = np.zeros(0, dtype=np.int64)
+        if bar.any():
+            self.barrier_ids, dense = np.unique(a1[bar], return_inverse=True)
+            a1[bar] = dense.reshape(-1)
+        self.link_keys: list = []
+        if f.links:
+            number: dict = {}
+            idx = np.array([i for i, _ in f.links], dtype=np.int64)
+            a1[idx] = [number.setdefault(key, len(number)) for _, key in f.links]
+            self.link_keys = list(number)
+        self.a1 = a1
+        self.a2 = f.count
         self._channels(spec)
 
     def _channels(self, spec: ChipSpec) -> None:
@@ -345,7 +362,12 @@ class StaticCosts:
         hbm, f = spec.hbm, self.facts
         g, n_pc = hbm.interleave_bytes, hbm.pseudo_channels
         rate = hbm.bytes_per_s_per_pseudo_channel * hbm.efficiency
-        self.chan: list = [None] * f.n
+        self.split_of = np.full(f.n, -1, dtype=np.int64)
+        self.split_dt = np.zeros((0, n_pc), dtype=np.float64)
+        self.split_dense = np.zeros(0, dtype=bool)
+        self.split_min = np.zeros(0, dtype=np.float64)
+        self.touched_off = np.zeros(1, dtype=np.int64)
+        self.touched = np.zeros(0, dtype=np.int64)
         self.channel_bytes = np.zeros(n_pc, dtype=np.int64)
         if not len(f.hbm_idx):
             return
@@ -356,11 +378,10 @@ class StaticCosts:
         split = np.stack([channel_bytes(*map(int, key), g, n_pc) for key in keys])
         uses = np.bincount(inverse, minlength=len(keys))
         self.channel_bytes = (uses[:, None] * split).sum(axis=0)
-        entries = []
-        for b in split:
-            touched = np.flatnonzero(b)
-            dense = len(touched) == n_pc
-            entries.append((b / rate, None if dense else touched, float(b.min()) / rate if dense else 0.0))
-        chan = self.chan
-        for i, k in zip(f.hbm_idx.tolist(), inverse.tolist(), strict=True):
-            chan[i] = entries[k]
+        nonzero = split != 0
+        self.split_dt = split / rate
+        self.split_dense = nonzero.all(axis=1)
+        self.split_min = np.where(self.split_dense, split.min(axis=1) / rate, 0.0)
+        self.touched_off = np.concatenate(([0], np.cumsum(nonzero.sum(axis=1)))).astype(np.int64)
+        self.touched = np.nonzero(nonzero)[1].astype(np.int64)
+        self.split_of[f.hbm_idx] = inverse

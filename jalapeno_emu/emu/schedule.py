@@ -91,43 +91,112 @@ def sequential_order(program: Program, *, seed: int | None = None) -> list[int]:
 
 
 def deadlock_error(program, streams, heads, sem_count, barrier_arrived) -> Deadlock:
-    """The Deadlock naming every blocked engine, what it waits on, and what could still signal it.
+    """The Deadlock blaming the wait that can never be met, then naming every blocked engine.
+
+    The headline is a ``sem.wait`` whose value exceeds its semaphore's count plus every signal that
+    other engines still have to send (its own engine's later signals come after it), a
+    ``barrier`` that fewer engines can still reach than it needs, or a ``link.recv`` whose send no
+    other engine still has; with no such wait, engines wait for each other in a cycle, and the
+    headline is that cycle. Blocked engines that wait only because of it (victims) are listed
+    below the headline. The error's instruction, engine and source are the headline wait's.
 
     Args: the program, its streams (engine -> indices), each engine's next position, the semaphore
     counts reached, and barrier id -> engines that arrived (the scheduler's and timing pass's state).
     """
     names = dict(program.semaphores)
-    waits = []
-    first_idx = None
+    instrs = program.instructions
+    # What the blocked engines still have to do: signals per semaphore, sends per (peer, tag) and
+    # barrier arrivals, per engine.
+    signals_left: dict[int, dict] = defaultdict(lambda: defaultdict(int))
+    sends_left: dict[tuple[int, int], dict] = defaultdict(lambda: defaultdict(int))
+    barrier_left: dict[int, set] = defaultdict(set)
+    blocked = []
     for eng, stream in sorted(streams.items()):
         if heads[eng] >= len(stream):
             continue
-        idx = stream[heads[eng]]
-        ins = program.instructions[idx]
-        first_idx = idx if first_idx is None else first_idx
+        blocked.append((eng, stream[heads[eng]]))
+        for j in stream[heads[eng]:]:
+            ins = instrs[j]
+            if ins.mnemonic == "sem.signal":
+                signals_left[ins.arg("sem")][eng] += ins.arg("count")
+            elif ins.mnemonic == "link.send":
+                sends_left[link_key(ins)][eng] += 1
+            elif ins.mnemonic == "barrier":
+                barrier_left[ins.arg("id")].add(eng)
+
+    def where(eng, idx: int) -> str:
+        src = instrs[idx].source
+        return f"{eng} #{idx}" + (f" ({src})" if src else "")
+
+    lines, hopeless, deps = [], [], {}
+    for eng, idx in blocked:
+        ins = instrs[idx]
         if ins.mnemonic == "sem.wait":
-            sem = ins.arg("sem")
-            pending = sum(
-                program.instructions[j].arg("count")
-                for e2, s2 in streams.items() for j in s2[heads[e2]:]
-                if program.instructions[j].mnemonic == "sem.signal"
-                and program.instructions[j].arg("sem") == sem
-            )
+            sem, value = ins.arg("sem"), ins.arg("value")
             who = f"semaphore {sem}" + (f" ({names[sem]})" if sem in names else "")
-            waits.append(f"{eng} #{idx} waits for {who} >= {ins.arg('value')} (count "
-                         f"{sem_count[sem]}, {pending} more can only come from blocked engines)")
+            others = {e: c for e, c in signals_left[sem].items() if e != eng}
+            own = signals_left[sem].get(eng, 0)
+            reach = sem_count[sem] + sum(others.values())
+            what = f"waits for {who} >= {value}"
+            lines.append(f"{where(eng, idx)} {what} (count {sem_count[sem]}, {sum(others.values())} more "
+                         "can only come from blocked engines"
+                         + (f", {own} from its own signals after the wait" if own else "") + ")")
+            if reach < value:
+                more = sum(others.values())
+                hopeless.append((idx, eng, f"{where(eng, idx)} {what}, which can never be met: its count "
+                                 f"is {sem_count[sem]}, and "
+                                 + (f"other engines signal it only {more} more" if more else
+                                    "no other engine signals it again")
+                                 + (f" (its own {own} later signal counts come only after the wait)"
+                                    if own else "")))
+            deps[eng] = (idx, what, sorted(others))
         elif ins.mnemonic == "barrier":
-            bid = ins.arg("id")
-            waits.append(f"{eng} #{idx} waits at barrier {bid} ({len(barrier_arrived[bid])} of "
-                         f"{ins.arg('count')} engines arrived)")
+            bid, count = ins.arg("id"), ins.arg("count")
+            arrived = set(barrier_arrived[bid])
+            coming = barrier_left[bid] - arrived
+            what = f"waits at barrier {bid} for {count} engines"
+            lines.append(f"{where(eng, idx)} waits at barrier {bid} ({len(arrived)} of {count} engines "
+                         "arrived)")
+            if len(arrived) + len(coming) < count:
+                hopeless.append((idx, eng, f"{where(eng, idx)} {what}, which can never be met: "
+                                 f"{len(arrived)} arrived and only {len(coming)} more ever reach it"))
+            deps[eng] = (idx, what, sorted(coming))
         else:
-            waits.append(f"{eng} #{idx} waits for link.send peer={ins.arg('peer')} "
-                         f"tag={ins.arg('tag')}")
-    first = program.instructions[first_idx] if first_idx is not None else None
+            key = link_key(ins)
+            others = sorted(e for e in sends_left[key] if e != eng)
+            what = f"waits for link.send peer={key[0]} tag={key[1]}"
+            lines.append(f"{where(eng, idx)} {what}")
+            if not others:
+                hopeless.append((idx, eng, f"{where(eng, idx)} {what}, which no other engine still "
+                                 "sends"))
+            deps[eng] = (idx, what, others)
+    if hopeless:
+        idx, eng, headline = min(hopeless, key=lambda h: h[0])
+        hint = ("the wait asks for more than the rest of the program can give: lower its value or "
+                "add the missing signal, barrier arrival or link.send")
+    elif blocked:
+        # Every blocked engine waits for another blocked one: follow the first of each until an
+        # engine repeats; that loop is the deadlock, the rest wait on it.
+        path, seen, eng = [], {}, blocked[0][0]
+        while eng not in seen:
+            seen[eng] = len(path)
+            path.append(eng)
+            eng = deps[eng][2][0]
+        cycle = path[seen[eng]:]
+        start = min(range(len(cycle)), key=lambda k: deps[cycle[k]][0])
+        cycle = cycle[start:] + cycle[:start]
+        parts = [f"{where(e, deps[e][0])} {deps[e][1]}, which only {nxt} can still satisfy"
+                 for e, nxt in zip(cycle, cycle[1:] + cycle[:1], strict=True)]
+        eng, idx = cycle[0], deps[cycle[0]][0]
+        headline = "engines wait for each other in a cycle: " + "; ".join(parts) + ", after its own wait"
+        hint = "every sem.wait needs signals that are not themselves behind the wait"
+    else:  # pragma: no cover - called only when instructions remain
+        idx, eng, headline, hint = None, None, "nothing is blocked", None
+    first = instrs[idx] if idx is not None else None
     return Deadlock(
-        "no engine can make progress: " + "; ".join(waits),
-        index=first_idx,
+        f"no engine can make progress: {headline}. Blocked: " + "; ".join(lines),
+        index=idx,
         engine=str(first.engine) if first else None,
         source=first.source if first else None,
-        hint="every sem.wait needs signals that are not themselves behind the wait",
+        hint=hint,
     )

@@ -141,7 +141,8 @@ class DieModel:
                 raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): input {name!r} has shape "
                                            f"{tuple(got)}, the program's tensor is {want}")
         result = run_functional(prep.build.program, {**prep.consts, **data})
-        return {name: result.read(name, dt, shp) for name, (dt, shp) in prep.build.outputs.items()}
+        return {name: result.read(name, dt, shp, space="hbm")
+                for name, (dt, shp) in prep.build.outputs.items()}
 
     def tensor_shape(self, launch: Launch, name: str) -> tuple[int, ...]:
         """The HBM shape the launch's program records for tensor ``name``."""

@@ -84,9 +84,9 @@ class FusedStep:
             self._read_caches(fb, step, result)
             for key, name in fb.results.items():
                 if key in ("x", "residual"):
-                    carry[key] = np.asarray(result.read(name, "bf16", (step.tokens, cfg.hidden)))
+                    carry[key] = np.asarray(result.read(name, "bf16", (step.tokens, cfg.hidden), space="hbm"))
             if "logits" in fb.results:
-                logits = result.read(fb.results["logits"], "bf16", (step.batch, cfg.vocab))
+                logits = result.read(fb.results["logits"], "bf16", (step.batch, cfg.vocab), space="hbm")
         return np.asarray(logits, np.float32)
 
     # --- per-operator data -----------------------------------------------------------------
@@ -176,8 +176,8 @@ class FusedStep:
                 hkv, d = cfg.kv_heads, cfg.head_dim
                 k_name, v_name = app.hbm["k_cache"], app.hbm["v_cache"]
                 shapes = dict(dict(fb.program.meta)["tensors"])
-                kc = result.read(k_name, "bf16", shapes[k_name][1])
-                vc = result.read(v_name, "bf16", shapes[v_name][1])
+                kc = result.read(k_name, "bf16", shapes[k_name][1], space="hbm")
+                vc = result.read(v_name, "bf16", shapes[v_name][1], space="hbm")
                 cap = vc.shape[0] // (b * hkv)
                 kt = np.asarray(kc).reshape(b, hkv, d, -1)
                 new_pos = slice(ctx - new, ctx)
@@ -187,6 +187,6 @@ class FusedStep:
                 app = ops[f"L{i}.mla_append"]
                 name = app.hbm["kv_cache"]
                 shape = dict(dict(fb.program.meta)["tensors"])[name][1]
-                cache = np.asarray(result.read(name, "bf16", shape))
+                cache = np.asarray(result.read(name, "bf16", shape, space="hbm"))
                 cap = shape[0] // b
                 die.latent[i][:, ctx - new:ctx] = cache.reshape(b, cap, -1)[:, ctx - new:ctx]

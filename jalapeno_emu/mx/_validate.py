@@ -19,7 +19,12 @@ import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["as_array", "as_host_array", "check_axis", "check_int", "check_prng_key", "describe", "is_array"]
+__all__ = ["MAX_BLOCK_SIZE", "as_array", "as_host_array", "check_axis", "check_block_size", "check_int",
+           "check_prng_key", "describe", "is_array"]
+
+# The largest MX block: mx.matmul sums one block's products in float32 limbs of L bits, with
+# (2^L - 1)^2 * block_size < 2^24 for exactness, and L >= 1 needs block_size <= 2^21.
+MAX_BLOCK_SIZE = 1 << 21
 
 # Text, bytes and unordered containers: numpy would make a 0-d string or object array of them
 # (a bytearray: its bytes as numbers) instead of refusing. A memoryview is a real buffer: it passes.
@@ -95,6 +100,20 @@ def check_int(value: object, argname: str, *, minimum: int | None = None) -> int
     if minimum is not None and value < minimum:
         raise InvalidArgumentError(f"{argname}={value} must be >= {minimum}")
     return int(value)
+
+
+def check_block_size(value: object, argname: str = "block_size") -> int:
+    """``value`` as a block size: an int in [1, MAX_BLOCK_SIZE].
+
+    An empty axis is divided by any size, so divisibility alone does not bound it; a size beyond
+    the bound would reach JAX as a static shape too large for it.
+    """
+    size = check_int(value, argname, minimum=1)
+    if size > MAX_BLOCK_SIZE:
+        raise InvalidArgumentError(
+            f"{argname}={size} is larger than {MAX_BLOCK_SIZE:,} (2**21), the largest block whose "
+            "dot products mx.matmul sums exactly in float32 (the OCP MX block is 32)")
+    return size
 
 
 def check_axis(axis: object, shape: tuple[int, ...], arrayname: str, *, argname: str = "axis") -> int:

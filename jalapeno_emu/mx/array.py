@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError, InvalidTypeError
-from jalapeno_emu.mx._validate import check_axis, check_int, describe, is_array
+from jalapeno_emu.mx._validate import check_axis, check_block_size, check_int, describe, is_array
 from jalapeno_emu.mx.formats import FORMATS, ElementFormat, element_format
 
 __all__ = ["MXArray"]
@@ -99,7 +99,7 @@ class MXArray:
         if not codes_shape:
             raise InvalidArgumentError(f"{argname}.codes is 0-d; an MXArray needs a blocked axis")
         ax = check_axis(self.axis, codes_shape, f"{argname}.codes", argname=f"{argname}.axis")
-        check_int(self.block_size, f"{argname}.block_size", minimum=1)
+        check_block_size(self.block_size, f"{argname}.block_size")
         if codes_shape[ax] % self.block_size:
             raise InvalidArgumentError(
                 f"{argname}.block_size={self.block_size} does not divide axis {ax} "

@@ -25,7 +25,14 @@ from jalapeno_emu.mx._intfloat import (
     round_to_grid,
     shift_right_round,
 )
-from jalapeno_emu.mx._validate import as_array, check_axis, check_int, check_prng_key, describe
+from jalapeno_emu.mx._validate import (
+    as_array,
+    check_axis,
+    check_block_size,
+    check_int,
+    check_prng_key,
+    describe,
+)
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.formats import SCALE_BIAS, SCALE_NAN, ElementFormat, element_format
 from jalapeno_emu.mx.scale import SCALE_MODES, shared_exponent
@@ -55,6 +62,7 @@ def _check_blocking(shape: tuple[int, ...], axis: object, block_size: object) ->
         raise InvalidArgumentError(
             f"block_size={block_size} must divide axis {ax} of x (length {shape[ax]})"
         )
+    check_block_size(block_size)  # any size divides an empty axis: bound it too
     return ax
 
 
@@ -76,7 +84,8 @@ def quantize(
             "int8" (MXINT8); the ISA spellings "fp4", "fp6e2", "fp6e3", "fp8e4", "fp8e5" are the
             same formats (the result's ``fmt`` is always the name above).
         axis: the axis whose consecutive runs of ``block_size`` elements share one scale.
-        block_size: elements per block; must divide ``x.shape[axis]``.
+        block_size: elements per block; must divide ``x.shape[axis]`` and be at most
+            ``2**21`` (the largest block ``matmul`` sums exactly; OCP MX uses 32).
         scale_mode: "floor" (OCP v1.0), "ceil", "even" or "rceil"; see ``jalapeno_emu.mx.scale``.
         rounding: element rounding: "rne" (ties to even), "rna" (ties away, microxcaling's
             default) or "stochastic" (needs ``key``).

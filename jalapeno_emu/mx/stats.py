@@ -113,10 +113,25 @@ def _histogram(dist: np.ndarray) -> dict[str, int]:
     return hist
 
 
-def _snr_db(signal_energy: float, noise_energy: float) -> float:
-    if noise_energy == 0:
+def _log10_energy(x: np.ndarray) -> float:
+    """log10(sum(x^2)) without overflow or underflow: squares of x / max|x| lie in [0, 1]."""
+    top = float(np.max(np.abs(x))) if x.size else 0.0
+    if top == 0:
+        return float("-inf")
+    return float(np.log10(np.sum(np.square(x / top)))) + 2 * float(np.log10(top))
+
+
+def _snr_db(log_signal: float, log_noise: float) -> float:
+    """10 log10(signal energy / noise energy), from their log10 energies."""
+    if log_noise == float("-inf"):
         return float("inf")
-    return float(10 * np.log10(signal_energy / noise_energy)) if signal_energy else float("-inf")
+    return 10 * (log_signal - log_noise) if log_signal != float("-inf") else float("-inf")
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """``x`` divided by its largest magnitude (unchanged when all zero)."""
+    top = float(np.max(np.abs(x))) if x.size else 0.0
+    return x / top if top else x
 
 
 def error_stats(approx, reference, *, ulp_format: str = "float32") -> ErrorStats:
@@ -140,19 +155,27 @@ def error_stats(approx, reference, *, ulp_format: str = "float32") -> ErrorStats
         raise InvalidArgumentError(f"ulp_format={ulp_format!r} is not one of {sorted(_ULP_FORMATS)}")
     ok = np.isfinite(a) & np.isfinite(r)
     a_f, r_f = a[ok], r[ok]
-    err = a_f - r_f
+    # Finite float64 inputs near the top of the range overflow when squared: sums of squares are
+    # taken of values scaled to at most 1 (_log10_energy, _unit). A difference that itself
+    # overflows (opposite signs near the top) is taken of both halves, then counted twice.
+    with np.errstate(over="ignore"):  # such an error is inf: it exceeds float64
+        err = a_f - r_f
+    e, e_scale = (err, 1.0) if np.isfinite(err).all() else (a_f * 0.5 - r_f * 0.5, 2.0)
     abs_err = np.abs(err)
     nz = r_f != 0
-    sig, noise = float(np.sum(r_f * r_f)), float(np.sum(err * err))
-    norm = float(np.linalg.norm(a_f) * np.linalg.norm(r_f))
+    top_e = float(np.max(np.abs(e))) if e.size else 0.0
+    with np.errstate(over="ignore"):  # an rmse beyond float64 is inf
+        rmse = top_e * float(np.sqrt(np.mean(np.square(e / top_e)))) * e_scale if top_e else 0.0
+    a_u, r_u = _unit(a_f), _unit(r_f)
+    norm = float(np.linalg.norm(a_u) * np.linalg.norm(r_u))
     return ErrorStats(
         count=int(a.size),
         max_abs_error=float(abs_err.max()) if abs_err.size else 0.0,
         max_rel_error=float((abs_err[nz] / np.abs(r_f[nz])).max()) if nz.any() else 0.0,
-        rmse=float(np.sqrt(np.mean(err * err))) if err.size else 0.0,
-        snr_db=_snr_db(sig, noise),
+        rmse=rmse,
+        snr_db=_snr_db(_log10_energy(r_f), _log10_energy(e) + 2 * float(np.log10(e_scale))),
         # Clipped: rounding in the norms can push an exact match a hair past 1.
-        cosine_similarity=float(np.clip(np.dot(a_f, r_f) / norm, -1, 1)) if norm else 1.0,
+        cosine_similarity=float(np.clip(np.dot(a_u, r_u) / norm, -1, 1)) if norm else 1.0,
         ulp_format=ulp_format,
         ulp_histogram=_histogram(ulp_distance(approx, reference, ulp_format)),
     )

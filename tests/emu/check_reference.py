@@ -19,7 +19,6 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu import check as fast
 from jalapeno_emu.emu.schedule import sequential_order
-from jalapeno_emu.errors import Race, UninitializedRead
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
 
@@ -86,7 +85,7 @@ def reference_later_signals(program: Program, order: list[int], sem_signals,
 
 
 def _check_races(prior: list, tile: Tile, writes: bool, eng: Engine, vc: dict, idx: int,
-                 program: Program, ins: Instruction, name: str) -> None:
+                 ctx: fast._Context, ins: Instruction, name: str) -> None:
     """Compare ``tile`` with every kept earlier access; drop those it covers and follows."""
     s0, e0 = tile.offset, tile.end
     keep = []
@@ -97,15 +96,8 @@ def _check_races(prior: list, tile: Tile, writes: bool, eng: Engine, vc: dict, i
             continue
         hb = vc.get(e, 0) >= i
         if (w or writes) and not hb and reference_tiles_overlap(t, tile):
-            other = program.instructions[j]
-            raise Race(
-                f"operand {name} ({'writes' if writes else 'reads'}) overlaps instruction #{j} on "
-                f"{e} ({other.mnemonic}, {'writes' if w else 'reads'}, {other.source or 'no source'}) "
-                "with no semaphore ordering between them",
-                index=idx, engine=str(ins.engine), source=ins.source,
-                addresses=(tile.region(), t.region()),
-                hint="signal a semaphore after the first and wait for it before the second",
-            )
+            # the message is the checker's own (naming buffers and the missing edge)
+            raise fast._race_error(ctx, idx, name, tile, writes, j, t, e, w)
         if hb and (writes or not w) and fast._contains(tile, t):
             continue
         keep.append(entry)
@@ -134,6 +126,16 @@ class _Written:
             s = tile.offset + r * tile.stride
             self.add(s, s + tile.row_bytes)
 
+    def first_gap(self, tile: Tile) -> int:
+        """The first byte of ``tile``, row by row, that nothing wrote (-1: none)."""
+        for r in range(tile.rows):
+            s = tile.offset + r * tile.stride
+            for b in range(s, s + tile.row_bytes):
+                i = bisect.bisect_right(self.starts, b) - 1
+                if i < 0 or self.ends[i] <= b:
+                    return b
+        return -1
+
     def covers_tile(self, tile: Tile) -> bool:
         for r in range(tile.rows):
             s = tile.offset + r * tile.stride
@@ -143,21 +145,16 @@ class _Written:
         return True
 
 
-def _check_initialized(tile: Tile, written: _Written, idx: int, ins: Instruction, name: str) -> None:
+def _check_initialized(tile: Tile, written: _Written, idx: int, ins: Instruction, name: str,
+                       ctx: fast._Context) -> None:
     if not written.covers_tile(tile):
-        raise UninitializedRead(
-            f"operand {name} reads {tile.space.value} bytes that nothing has written",
-            index=idx, engine=str(ins.engine), source=ins.source, addresses=(tile.region(),),
-            hint="load or compute the data first" + (
-                "; the first matmul into fresh accumulators needs mode=overwrite"
-                if ins.mnemonic in fast._MATMULS and name == "acc" else ""),
-        )
+        raise fast._uninitialized_error(ctx, tile, written.first_gap(tile), idx, ins, name)
 
 
 def reference_check_program(program: Program, spec: ChipSpec, *,
                             check_uninitialized: bool = True) -> list[int]:
     """What ``check.check_program`` answers, computed the slow, obvious way."""
-    from jalapeno_emu.isa.legality import check_program as check_legality
+    from jalapeno_emu.isa.legality import check_legality
 
     check_legality(program)
     fast._check_capacity(program, spec)
@@ -166,7 +163,9 @@ def reference_check_program(program: Program, spec: ChipSpec, *,
     for ins in program.instructions:
         if ins.mnemonic == "sem.signal":
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
-    clocks = _ScanningClocks(sem_signals, reference_later_signals(program, order, sem_signals))
+    later = reference_later_signals(program, order, sem_signals)
+    clocks = _ScanningClocks(sem_signals, later)
+    ctx = fast._Context(program, order, sem_signals, later)
     accesses: dict[tuple[Space, int], list[tuple]] = defaultdict(list)
     written: dict[tuple[Space, int], _Written] = defaultdict(_Written)
     for idx in order:
@@ -175,12 +174,12 @@ def reference_check_program(program: Program, spec: ChipSpec, *,
         for name, tile, writes in ins.tiles():
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             if not writes and check_uninitialized and tile.space is not Space.HBM:
-                _check_initialized(tile, written[key], idx, ins, name)
+                _check_initialized(tile, written[key], idx, ins, name, ctx)
             if ins.mnemonic in fast._MATMULS and name == "acc" and ins.arg("mode") == "accumulate":
                 if check_uninitialized:
-                    _check_initialized(tile, written[key], idx, ins, name)
-                _check_races(accesses[key], tile, False, eng, vc, idx, program, ins, name)
-            _check_races(accesses[key], tile, writes, eng, vc, idx, program, ins, name)
+                    _check_initialized(tile, written[key], idx, ins, name, ctx)
+                _check_races(accesses[key], tile, False, eng, vc, idx, ctx, ins, name)
+            _check_races(accesses[key], tile, writes, eng, vc, idx, ctx, ins, name)
             accesses[key].append((tile.offset, tile.end, tile, writes, eng, my_id, idx))
             if writes and tile.space is not Space.HBM:
                 written[key].add_tile(tile)

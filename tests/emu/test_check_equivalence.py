@@ -207,7 +207,7 @@ def _race_named(program: Program) -> str:
     want = _outcome(lambda p, s: reference_check_program(p, s, check_uninitialized=False), program)
     got = _outcome(lambda p, s: check_program(p, s, check_uninitialized=False), program)
     assert got == want and got[0] == "Race", got
-    return got[1].split("overlaps ")[1].split(" on ")[0]
+    return got[1].split(", which ")[1].split(" on ")[0]
 
 
 def _reads_of_t() -> tuple[KernelBuilder, Callable[[int], Tile], Tile, Tile]:

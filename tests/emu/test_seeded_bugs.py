@@ -46,8 +46,8 @@ class Seeded:
     Attributes:
         program: the buggy kernel.
         error: the checker's error class for this kind of bug.
-        at: the source (``file:line``) of the instruction at fault: the error's ``source`` and
-            its message must give it.
+        at: the source (``file:line``) of the instruction at fault (for capacity: of the
+            allocation): the error's ``source`` and its message must give it.
         also: for a race, the source of the other access: both sides are at fault (which one
             the error is raised at depends on the order the checker walks), and the message must
             give both lines.
@@ -166,10 +166,11 @@ def scratchpad_over_capacity(fixed: bool = False) -> Seeded:
     # The bug: 1.5x tiny's scratchpad (half of it fits).
     rows = (1 if fixed else 3) * TINY.sram.scratchpad_bytes // 2 // (COLS * 4)
     x_h = kb.hbm("X", (rows, COLS), "f32")
-    big = kb.sram(0, "big", (rows, COLS), "f32")
+    big, allocated = kb.sram(0, "big", (rows, COLS), "f32"), _line()
     load = _issued(kb.core(0).dma[0].load(big, x_h), _line())
     program = dataclasses.replace(kb.build(), preset="tiny")
-    return Seeded(program, CapacityExceeded, load, (), "big")
+    # At fault: the allocation (its line), and the message also names the first instruction using it.
+    return Seeded(program, CapacityExceeded, allocated, (load,), "big")
 
 
 def wait_that_can_never_be_met(fixed: bool = False) -> Seeded:
@@ -216,27 +217,7 @@ def test_the_fixed_kernel_passes(name):
     check_program(CASES[name](fixed=True).program, TINY)
 
 
-# What the checker does not do yet (issue 13), each tracked by a strict xfail: when it is fixed the
-# test passes, the xfail turns into a failure, and the mark is to be removed.
-NO_BUFFER_NAMES = pytest.mark.xfail(
-    strict=True, reason="issue 13: race, bounds and uninitialised-read messages give addresses "
-    "(sram[c0]:0x0..0x800), not the allocation's name")
-NO_ALLOCATION_SOURCE = pytest.mark.xfail(
-    strict=True, reason="issue 13: a capacity error names the allocation but no line: allocations "
-    "carry no source, and the message names no instruction that uses it")
-BLAMES_A_VICTIM = pytest.mark.xfail(
-    strict=True, reason="issue 13: a deadlock is raised at the first blocked engine in name order "
-    "(here the store queue waiting on the vector unit, a victim), and the message does not give the "
-    "source line of the wait that can never be met")
-
-
-def _cases(**marks: pytest.MarkDecorator) -> list:
-    """Every case name, with the marks given for some of them (keyword: the function's name)."""
-    return [pytest.param(name, marks=marks.get(build.__name__, ())) for name, build in sorted(CASES.items())]
-
-
-@pytest.mark.parametrize("name", _cases(scratchpad_over_capacity=NO_ALLOCATION_SOURCE,
-                                        wait_that_can_never_be_met=BLAMES_A_VICTIM))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_the_error_is_raised_at_the_faulty_line(name):
     case = CASES[name]()
     err = _raised(case)
@@ -245,10 +226,7 @@ def test_the_error_is_raised_at_the_faulty_line(name):
         assert line in str(err), (line, str(err))
 
 
-@pytest.mark.parametrize("name", _cases(write_write_race=NO_BUFFER_NAMES, read_without_wait=NO_BUFFER_NAMES,
-                                        slot_reused_before_its_reader_finished=NO_BUFFER_NAMES,
-                                        tile_past_its_tensor=NO_BUFFER_NAMES,
-                                        read_of_rows_never_loaded=NO_BUFFER_NAMES))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_the_message_names_the_buffer(name):
     case = CASES[name]()
     err = _raised(case)

@@ -85,6 +85,7 @@ PLAUSIBLE = {
     "imm": st.one_of(st.integers(-2, 4).map(str), INTEGERS),
     "fimm": FLOATS,
     "sem": st.one_of(st.integers(0, 3).map(str), st.sampled_from(["s0", "s1", "nope"])),
+    "label": st.one_of(NAMES, st.sampled_from(['"a, b [c]; # d"', '""', '" x"', '"' + "y" * 65 + '"'])),
 }
 
 

@@ -20,8 +20,7 @@ from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu import check_program as check_emulated
 from jalapeno_emu.emu import run_functional, run_timing
 from jalapeno_emu.errors import AssemblyError, EmuError
-from jalapeno_emu.isa import assemble, decode, decode_program, encode_program
-from jalapeno_emu.isa import check_program as check_legality
+from jalapeno_emu.isa import assemble, check_legality, decode, decode_program, encode_program
 from jalapeno_emu.isa.encoding import _ENGINE, _TILE, MAGIC, encode
 from jalapeno_emu.isa.program import Program
 from tests.fuzz.helpers import call, fuzz_settings, time_limit

@@ -270,23 +270,43 @@ def test_small_helpers(fa, fb, block_size, approx, reference, ulp_format):
         assert not isinstance(result, EmuError) or isinstance(result, InvalidArgumentError | InvalidTypeError)
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by fuzzing (issue 13): mx.error_stats squares and "
-                   "multiplies float64 values without scaling, so finite inputs beyond ~1e154 overflow: "
-                   "cosine_similarity is NaN and snr_db Inf for two nearly equal vectors")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+# Found by fuzzing (issue 13): error_stats squared and multiplied float64 values without scaling,
+# so finite inputs beyond ~1e154 overflowed (cosine_similarity NaN, snr_db Inf for two nearly equal
+# vectors).
+@pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_error_stats_of_large_finite_inputs():
     stats = mx.error_stats(np.array([1e200, 1.0]), np.array([1e200, 0.0]))
     assert stats.cosine_similarity == pytest.approx(1.0)
     assert stats.snr_db == pytest.approx(4000.0)  # 10 log10(1e400 / 1)
+    assert stats.rmse == pytest.approx(np.sqrt(0.5))
 
 
-@pytest.mark.xfail(strict=True, reason="bug found by fuzzing (issue 13): quantize checks only that "
-                   "block_size divides the blocked axis, which any size does when the axis is empty; "
-                   "block_size >= 2**63 then reaches JAX as a static shape and fails with a TypeError "
-                   "from MLIR instead of InvalidArgumentError")
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_error_stats_of_opposite_values_near_the_float64_maximum():
+    # The difference itself overflows: max_abs_error is inf (it exceeds float64), the rest is finite.
+    big = np.finfo(np.float64).max / 1.5
+    stats = mx.error_stats(np.array([big, 1.0]), np.array([-big, 1.0]))
+    assert stats.cosine_similarity == pytest.approx(-1.0)
+    assert stats.snr_db == pytest.approx(10 * np.log10(1 / 4))  # error 2 big against a signal of big
+    assert stats.rmse == pytest.approx(big * np.sqrt(2), rel=1e-12)
+
+
+# Found by fuzzing (issue 13): quantize checked only that block_size divides the blocked axis, which
+# any size does when the axis is empty; block_size >= 2**63 then reached JAX as a static shape and
+# failed with a TypeError from MLIR.
 def test_quantize_of_an_empty_axis_with_a_huge_block_size():
     with pytest.raises(InvalidArgumentError, match="block_size"):
         mx.quantize(np.zeros((2, 0), np.float32), block_size=2**64)
+    with pytest.raises(InvalidArgumentError, match=r"block_size=4194304 is larger than 2,097,152"):
+        mx.quantize(np.zeros((2, 0), np.float32), block_size=2**22)
+    assert mx.quantize(np.zeros((2, 0), np.float32), block_size=32).scales.shape == (2, 0)
+
+
+def test_an_mxarray_with_a_huge_block_size_is_refused():
+    q = mx.quantize(np.zeros((2, 0), np.float32), block_size=32)
+    huge = mx.MXArray(codes=q.codes, scales=q.scales, fmt=q.fmt, axis=q.axis, block_size=2**64)
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        mx.dequantize(huge)
 
 
 def test_block_sum_with_a_numpy_block_size():

@@ -59,6 +59,8 @@ def _candidates(op: OperandSpec) -> list[Any]:
         return [-1.5, 2.0]
     if op.kind == "enum":
         return list(op.choices)
+    if op.kind == "label":
+        return ["rowmax", "after exp, row 0"]
     raise AssertionError(f"no test values for operand kind {op.kind!r}; add them to tests/isa/forms.py")
 
 
@@ -110,6 +112,9 @@ def _variants(spec: InstrSpec, base: Instruction) -> list[Instruction]:
             out += [_replace(base, op.name, v) for v in (0, 2**32 - 1)]
         elif op.kind == "fimm":
             out += [_replace(base, op.name, v) for v in (float("inf"), -0.0, 1e-300, -7.25, 3)]
+        elif op.kind == "label":  # quotes, commas, brackets, comment characters, non-ASCII, longest
+            out += [_replace(base, op.name, v) for v in ('say "hi"', "a,b[1]", "x; y # z", "Jalapeño",
+                                                         "é" * 64, "a\\b")]
         elif op.kind == "tile":
             if op.optional:
                 out.append(_replace(base, op.name, None))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jalapeno_emu.errors import AssemblyError
-from jalapeno_emu.isa import TABLE, assemble, check_program, disassemble
+from jalapeno_emu.isa import TABLE, assemble, check_legality, disassemble
 from jalapeno_emu.isa.asm import format_instruction, format_tile
 from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
@@ -62,7 +62,7 @@ def test_the_documented_example_assembles():
 
 def test_the_example_file_assembles_checks_and_round_trips():
     p = assemble(EXAMPLE.read_text(), source=str(EXAMPLE))
-    check_program(p)
+    check_legality(p)
     assert p.name == "tile_matmul" and len(p.instructions) == 14
     assert {str(e) for e in p.engines()} == {"c0.dma0", "c0.dma1", "c0.mxu", "c0.vpu"}
     assert {i.name for i in p.inits} == {"A", "A_scale", "B", "B_scale"}

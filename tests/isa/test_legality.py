@@ -3,11 +3,12 @@
 import dataclasses
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from jalapeno_emu.errors import IllegalInstruction
-from jalapeno_emu.isa import TABLE, by_mnemonic, check_instruction, check_program
+from jalapeno_emu.isa import TABLE, by_mnemonic, check_instruction, check_legality
 from jalapeno_emu.isa.legality import canonical, check_rule
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import InstrSpec, OperandSpec, Space
@@ -144,16 +145,16 @@ def test_optional_operands_may_be_omitted_and_canonical_fills_them_in_table_orde
         (Engine(0, "tpu"), "engine unit 'tpu' is not one of"),
     ],
 )
-def test_check_program_rejects_malformed_engines_with_the_index(engine, match):
+def test_check_legality_rejects_malformed_engines_with_the_index(engine, match):
     good = Instruction("sem.signal", C0_MXU, (("sem", 0), ("count", 1)))
     program = Program("p", (good, dataclasses.replace(good, engine=engine)))
     with pytest.raises(IllegalInstruction, match=match) as info:
-        check_program(program)
+        check_legality(program)
     assert info.value.index == 1
 
 
-def test_check_program_accepts_legal_programs():
-    check_program(Program("p", tuple(legal_form(s) for s in TABLE)))
+def test_check_legality_accepts_legal_programs():
+    check_legality(Program("p", tuple(legal_form(s) for s in TABLE)))
 
 
 def test_rules_cannot_run_code():
@@ -191,3 +192,19 @@ def test_importing_program_first_does_not_cycle():
             "print(len(isa.assemble('c0.mxu: sem.signal 1').instructions))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr[-2000:]
+
+
+def test_the_old_name_check_program_warns_and_still_checks():
+    # jalapeno_emu.isa.check_program was the legality checker's name, and jalapeno_emu.emu has a
+    # check_program too (the full checker): the old name keeps working, with a warning naming both.
+    import jalapeno_emu.isa as isa
+
+    program = Program("p", tuple(legal_form(s) for s in TABLE))
+    with pytest.warns(DeprecationWarning, match=r"isa\.check_legality.*emu\.check_program"):
+        isa.check_program(program)
+    bad = Program("p", (Instruction("sem.signal", Engine(0, "dma", 0), (("sem", -1), ("count", 1))),))
+    with pytest.warns(DeprecationWarning), pytest.raises(IllegalInstruction):
+        isa.check_program(bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        isa.check_legality(program)  # the new name does not warn

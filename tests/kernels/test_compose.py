@@ -139,3 +139,56 @@ def test_standalone_emitter_and_build_agree():
     again = kb.build()
     assert [(i.mnemonic, str(i.engine), i.args) for i in again.instructions] == \
         [(i.mnemonic, str(i.engine), i.args) for i in built.instructions]
+
+
+def test_a_fused_gemv_streams_its_rest_off_the_queue_of_the_next_prefetches():
+    """A decode GEMV kept on chip that streams twice what its slots hold: the chunks of its prefetch
+    part on queue 1, the chunks streamed after it on the last queue, never on queue 0 (where the
+    FFN streams its weights and the appends load: a DMA signal lands only after everything issued
+    before it on its queue, and the next operators' prefetch is issued before this one's rest).
+    Same arithmetic as the launches, and the checker accepts the program."""
+    from jalapeno_emu.isa.table import Space
+    from jalapeno_emu.kernels.gemm import FUSED_PREFETCH_QUEUE
+
+    t, h, n = 1, 1024, 256  # tiny: 2 slots of 480-deep chunks, 4 chunks per core
+    kb = KernelBuilder("fused", chip=TINY)
+    comp = Composer(kb, TINY)
+    for name, shape in (("x", (t, h)), ("res", (t, h))):
+        comp.value(name, TensorRef.hbm(name, kb.hbm(name, shape, "bf16")))
+    norm, gemm = get_kernel("rmsnorm"), get_kernel("gemm")
+    comp.add_kernel("n1", "rmsnorm", norm.shape({"tokens": t, "hidden": h}),
+                    inputs={"x": "x", "residual": "res"}, outputs={"y": "y1", "h": "h1"},
+                    outs={"y": Out.onchip(), "h": Out.onchip()})
+    comp.add_kernel("g", "gemm", gemm.shape({"m": t, "n": n, "k": h, "weight_fmt": "bf16", "act_fmt": "bf16",
+                                             "bias": False}),
+                    inputs={"x": "y1"}, outputs={"y": "g"}, outs={"y": Out.onchip()})
+    comp.add_kernel("n2", "rmsnorm", norm.shape({"tokens": t, "hidden": n, "residual": False}),
+                    inputs={"x": "g"}, outputs={"y": "out"})
+    comp.build()
+    prog = kb.build()
+    check_program(prog, TINY)
+    (w,) = [a for a in prog.allocations if a.space is Space.HBM and a.name == "g/w"]
+    ranges = dict(dict(prog.meta)["regions"])["g"]
+    queues = []  # per part of the region: the queues its weight-chunk loads are on
+    for a, b in ranges:
+        qs = {ins.engine.queue for ins in prog.instructions[a:b] if ins.mnemonic == "dma.load"
+              and w.offset <= ins.arg("src").offset < w.offset + w.nbytes}
+        queues.append(qs)
+    last = TINY.dma.queues_per_core - 1
+    assert queues[0] == {FUSED_PREFETCH_QUEUE}
+    assert set().union(*queues[1:]) == {last}
+    rng = np.random.default_rng(2)
+    data = {"x": rng.standard_normal((t, h)).astype(BF16), "res": rng.standard_normal((t, h)).astype(BF16),
+            "n1/w": (1 + 0.1 * rng.standard_normal((1, h))).astype(BF16),
+            "g/w": (0.05 * rng.standard_normal((h, n))).astype(BF16),
+            "n2/w": (1 + 0.1 * rng.standard_normal((1, n))).astype(BF16)}
+    got = run_functional(prog, {**data, **comp.ctx.consts}).read("n2/y", "bf16", (t, n))
+    y1, _ = rmsnorm_reference(data["x"], data["res"], data["n1/w"], 1e-5)
+    want, _ = rmsnorm_reference(gemm_reference(np.asarray(y1), data["g/w"], None), None, data["n2/w"], 1e-5)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    # a stand-alone launch (output in HBM) keeps slot s on queue s % load_queues
+    alone = gemm.build(gemm.shape({"m": t, "n": n, "k": h, "weight_fmt": "bf16", "act_fmt": "bf16",
+                                   "bias": False}), TINY).program
+    (wa,) = [a for a in alone.allocations if a.space is Space.HBM and a.name == "w"]
+    assert {ins.engine.queue for ins in alone.instructions if ins.mnemonic == "dma.load"
+            and wa.offset <= ins.arg("src").offset < wa.offset + wa.nbytes} == {0, 1}

@@ -147,7 +147,7 @@ def deadlock_error(program, streams, heads, sem_count, barrier_arrived) -> Deadl
                                  f"is {sem_count[sem]}, and "
                                  + (f"other engines signal it only {more} more" if more else
                                     "no other engine signals it again")
-                                 + (f" (its own {own} later signal counts come only after the wait)"
+                                 + (f" (the {own} its own engine signals later come only after the wait)"
                                     if own else "")))
             deps[eng] = (idx, what, sorted(others))
         elif ins.mnemonic == "barrier":

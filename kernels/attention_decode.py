@@ -29,7 +29,13 @@ output): each unit fetches its [q_heads/kv_heads, head_dim] rows. ``out`` goes t
 finalised them, a piece of the token-major tensor ready when its vector unit has written it).
 The caches may carry readiness regions (a kv-append's token at position context-1): a KV tile
 overlapping one loads only once it is ready; every tile of the first KV slots that waits for
-nothing is loaded in the prefetch part.
+nothing is loaded in the prefetch part. When the append also keeps the new token's rows on chip
+(pieces of the BF16 cache refs with a scratchpad tile, ``kv-append`` with ``Out.onchip()``), the
+tile holding position context-1 loads only the keys around it from HBM (they wait for nothing)
+and takes the new key and value from that tile: the last KV split of each (sequence, KV head)
+runs on the core holding them (``_split_cores``) and its vector unit copies them into the KV
+slot before the scores' matmul; from another core, its K and V queues copy them after the
+tile's loads. The append's stores to HBM are then off the attention's path.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from .attention_engine import (
     _Core,
     _fits,
     _Merge,
+    _NewRow,
     _Plan,
     _Step,
     _Unit,
@@ -376,16 +383,26 @@ def emit_decode(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef], ou
     # Units, core by core: without splits contiguous blocks of (sequence, KV head) pairs; with
     # splits the splits of pair u on cores u*splits .. u*splits + splits - 1.
     pairs = [(bb, g) for bb in range(bsz) for g in range(hkv)]
+    # The new token's K and V rows kept on chip by the append (BF16, contiguous caches): the tile
+    # holding position context-1 takes them from there; with splits, the last split of each
+    # (sequence, KV head) runs on the core that holds them when it can.
+    new_rows = _kept_new_rows(caches, pairs, hkv, d, cap, ctx_len) if not ps and not fp8 else {}
+    split_core = {}
     if lay.splits == 1:
         chunk = -(-len(pairs) // lay.cores)
         by_core = [[(bb, g, 0) for bb, g in pairs[c * chunk:(c + 1) * chunk]] for c in range(lay.cores)]
     else:
-        by_core = [[(bb, g, i)] for bb, g in pairs for i in range(lay.splits)]
+        split_core = _split_cores(len(pairs), lay.splits, lay.cores,
+                                  {u: new_rows[pr][3] for u, pr in enumerate(pairs) if pr in new_rows})
+        by_core = [[] for _ in range(lay.cores)]
+        for u, (bb, g) in enumerate(pairs):
+            for i in range(lay.splits):
+                by_core[split_core[u, i]].append((bb, g, i))
     merges: dict[tuple[int, int], _Merge] = {}
     if lay.splits > 1:
         s = lay.splits
         for u, (bb, g) in enumerate(pairs):
-            c = u * s
+            c = split_core[u, 0]
             merges[(bb, g)] = _Merge(
                 splits=s, m=kb.sram(c, "merge_m", (hpk, s), "f32"),
                 lsum=kb.sram(c, "merge_l", (hpk, s), "f32"), a=kb.sram(c, "merge_a", (hpk, s), "f32"),
@@ -438,7 +455,20 @@ def emit_decode(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef], ou
                     if fp8:
                         st.k_scale = ks_h.sub(row * d // 32, t0, d // 32, n)
                         st.v_scale = vs_h.sub((row * cap + t0) // 32, 0, n // 32, d)
-                st.k_waits, st.v_waits = tile_waits(row, t0, n)
+                new = new_rows.get((bb, g)) if t0 <= ctx_len - 1 < t0 + n else None
+                if new is None:
+                    st.k_waits, st.v_waits = tile_waits(row, t0, n)
+                else:  # the keys around the new one from HBM (they wait for nothing written)
+                    k_t, v_t, ready, where = new
+                    col = ctx_len - 1 - t0
+                    st.new = _NewRow(col, k_t, v_t, ready, where == c)
+                    kw, vw = [], []
+                    for a, z in ((t0, ctx_len - 1), (ctx_len, t0 + n)):
+                        if a < z:
+                            ka, va = tile_waits(row, a, z - a)
+                            kw += ka
+                            vw += va
+                    st.k_waits, st.v_waits = tuple(dict.fromkeys(kw)), tuple(dict.fromkeys(vw))
                 unit.steps.append(st)
             units.append(unit)
         em = _Core(kb, c, plan, units)
@@ -598,6 +628,50 @@ def emit_decode_kernel(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorR
                        outs: dict[str, Out]) -> Emitter:
     """``KernelDef.emit`` of attention-decode."""
     return emit_decode(ctx, shape, t, outs.get("out"))
+
+
+def _kept_new_rows(caches: dict[str, TensorRef], pairs: list[tuple[int, int]], hkv: int, d: int, cap: int,
+                   ctx: int) -> dict[tuple[int, int], tuple[Tile, Tile, Ready, int]]:
+    """(sequence, KV head) -> (K^T column [D, 1], V row [1, D], ready, core) of the new token at
+    position ``ctx - 1`` where an append keeps both on one core (pieces of the HBM cache refs
+    that have a scratchpad tile, ``kv-append`` with ``Out.onchip()``), ready under one condition."""
+    k_ref, v_ref = caches["k_cache"], caches["v_cache"]
+    if not any(p.tile is not None for p in k_ref.pieces):
+        return {}
+    out = {}
+    for bb, g in pairs:
+        row = bb * hkv + g
+        k = _onchip_copy(k_ref, row * d, ctx - 1, d, 1)
+        v = _onchip_copy(v_ref, row * cap + ctx - 1, 0, 1, d)
+        if k is not None and v is not None and k[0].core == v[0].core and k[1] == v[1] and k[1] is not None:
+            out[(bb, g)] = (k[0], v[0], k[1], k[0].core)
+    return out
+
+
+def _onchip_copy(ref: TensorRef, r0: int, c0: int, rows: int, cols: int) -> tuple[Tile, Ready | None] | None:
+    """(tile, ready) of an on-chip copy of region [r0:r0+rows, c0:c0+cols] of an HBM tensor: a piece
+    with a scratchpad tile that covers it; None when no piece does."""
+    for k in ref._overlapping(r0, c0, rows, cols):
+        p = ref.pieces[k]
+        if p.tile is not None and p.covers(r0, c0, rows, cols):
+            return p.tile.sub(r0 - p.r0, c0 - p.c0, rows, cols), p.ready
+    return None
+
+
+def _split_cores(units: int, splits: int, cores: int, want: dict[int, int]) -> dict[tuple[int, int], int]:
+    """(unit, split) -> core: the last split of unit u on core ``want[u]`` (where the new token's
+    rows are) when that core is free, every other split on the free cores in order (without
+    ``want``: unit u's split i on core u*splits + i)."""
+    placed: dict[tuple[int, int], int] = {}
+    for u, c in want.items():
+        if c < cores and c not in placed.values():
+            placed[u, splits - 1] = c
+    free = iter(c for c in range(cores) if c not in set(placed.values()))
+    for u in range(units):
+        for i in range(splits):
+            if (u, i) not in placed:
+                placed[u, i] = next(free)
+    return placed
 
 
 # --- references ---------------------------------------------------------------------------------

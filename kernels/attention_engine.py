@@ -42,6 +42,24 @@ class _Step:
     gated: bool = True  # its loads wait for emit_loads' gates (False: reads data already there)
     k_waits: tuple[tuple[int, int], ...] = ()  # conditions before its K (V) loads: a writer's
     v_waits: tuple[tuple[int, int], ...] = ()  # readiness regions the tile overlaps
+    new: _NewRow | None = None  # decode: the new token's key and value come from on chip
+
+
+@dataclass(frozen=True)
+class _NewRow:
+    """The new token's key and value for column ``col`` of a decode KV tile, kept on chip by the
+    append that wrote them to the cache (the tile's other keys load from HBM around them).
+
+    ``k`` [D, 1] and ``v`` [1, D] are scratchpad tiles holding the bytes the cache holds, ready
+    at ``ready``. ``local``: on the tile's own core, so the vector unit copies them into the KV
+    slot; otherwise the K and V queues copy them (``dma.copy``) after the tile's loads, waiting
+    for ``ready`` only then."""
+
+    col: int
+    k: Tile
+    v: Tile
+    ready: tuple[int, int]
+    local: bool
 
 
 @dataclass
@@ -188,9 +206,13 @@ class _Core:
         names = ("consts", "qload", "qraw_free", "qready", "sdone", "sread",
                  "pready", "pvdone", "oread", "fin", "stored")
         names += tuple(f"{x}load{i}" for x in "kv" for i in range(plan.kv_queues))
-        self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
         # Flattened steps: (unit index, step) in the order every engine walks them.
         self.flat = [(u, st) for u, unit in enumerate(units) for st in unit.steps]
+        # Steps whose new key and value the vector unit copies in: their order among them.
+        self.taken = {j: i for i, j in enumerate(j for j, (_, st) in enumerate(self.flat)
+                                                 if st.new is not None and st.new.local)}
+        names += ("kvnew",) if self.taken else ()
+        self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
         self._load_waited: set[tuple] = set()  # (stream, queue, condition) already waited for
         self.first, self.last = {}, {}
         for j, (u, _) in enumerate(self.flat):
@@ -235,7 +257,9 @@ class _Core:
                 vq.wait(self.sem["pvdone"], j - p.nbuf + 1)
             k_dst, v_dst = self.buf[f"k{slot}"], self.buf[f"v{slot}"]
             fp8 = p.kv_dtype != "bf16"
-            if st.idx is None:
+            if st.new is not None:  # the keys around the new one from HBM, the new one from chip
+                self._load_around_new(kq, vq, st, k_dst, _view(v_dst, st.n, p.d))
+            elif st.idx is None:
                 kq.load(k_dst.sub(0, 0, p.d, st.n), st.k)
                 r0 = 0
                 for src in st.v_parts or (st.v,):
@@ -254,6 +278,34 @@ class _Core:
             kq.signal(self.sem[f"kload{j % nq}"])
             vq.signal(self.sem[f"vload{j % nq}"])
 
+    def _load_around_new(self, kq: EngineHandle, vq: EngineHandle, st: _Step, k_dst: Tile,
+                         v_dst: Tile) -> None:
+        """A tile whose column ``st.new.col`` is the new token: K^T columns and V rows before and
+        after it from HBM (never the bytes the append is storing), the new key and value copied
+        from the append's core when it is another one (the vector unit takes them otherwise)."""
+        d, c, n = self.p.d, st.new.col, st.n
+        for a, b in ((0, c), (c + 1, n)):
+            if a < b:
+                kq.load(k_dst.sub(0, a, d, b - a), st.k.sub(0, a, d, b - a))
+                vq.load(v_dst.sub(a, 0, b - a, d), st.v.sub(a, 0, b - a, d))
+        if not st.new.local:  # after the loads, which wait for nothing
+            for q, dst, src in ((kq, k_dst.sub(0, c, d, 1), st.new.k), (vq, v_dst.sub(c, 0, 1, d), st.new.v)):
+                q.wait(*st.new.ready)
+                q.copy(dst, src)
+
+    def _take_new(self, j: int) -> None:
+        """Vector unit: the new token's key and value (on this core) into step j's KV slot, once
+        the slot's previous tile has been multiplied; signals ``kvnew`` (the S matmul waits)."""
+        v, p, st = self.core.vpu, self.p, self.flat[j][1]
+        slot = j % p.nbuf
+        if j >= p.nbuf:
+            v.wait(self.sem["sdone"], j - p.nbuf + 1)
+            v.wait(self.sem["pvdone"], j - p.nbuf + 1)
+        v.wait(*st.new.ready)
+        v.copy(self.buf[f"k{slot}"].sub(0, st.new.col, p.d, 1), st.new.k)
+        v.copy(_view(self.buf[f"v{slot}"], st.n, p.d).sub(st.new.col, 0, 1, p.d), st.new.v)
+        v.signal(self.sem["kvnew"])
+
     def prefetchable(self) -> int:
         """How many leading steps a prefetch part may load: those of the first ``nbuf`` slots
         (no slot reuse, which waits for the matrix unit) before the first step with a wait of
@@ -261,7 +313,7 @@ class _Core:
         n = min(self.p.nbuf, len(self.flat))
         for j in range(n):
             st = self.flat[j][1]
-            if st.k_waits or st.v_waits:
+            if st.k_waits or st.v_waits or (st.new is not None and not st.new.local):
                 return j
         return n
 
@@ -335,6 +387,8 @@ class _Core:
             mxu.wait(self.sem["qready"], u + 1)
         nq = p.kv_queues
         mxu.wait(self.sem[f"kload{j % nq}"], j // nq + 1)
+        if j in self.taken:
+            mxu.wait(self.sem["kvnew"], self.taken[j] + 1)
         if j >= 2:  # accumulators of tile j-2 have been read
             mxu.wait(self.sem["sread"], j - 1)
         q = self.b("qrot", u).sub(0, 0, r, p.d)
@@ -532,11 +586,15 @@ class _Core:
         if not self.units:
             return
         self._rope(0, cos_row, sin_row)
+        if 0 in self.taken:
+            self._take_new(0)
         n = len(self.flat)
         for j in range(n):
             u, _ = self.flat[j]
             if j == self.first[u] and u + 1 < len(self.units):
                 self._rope(u + 1, cos_row, sin_row)
+            if j + 1 in self.taken:  # before the softmax the S matmul of step j+1 follows
+                self._take_new(j + 1)
             self._softmax(j, sinks)
             if j:
                 self._update(j - 1)

@@ -52,6 +52,12 @@ block against one broadcast table row) and six per sequence run of latent rows (
 run's table rows, one per row); each sequence's run of cache rows is one DMA (whole sequences
 together: one strided DMA).
 
+In a fused decode step ``kv-append`` given ``Out.onchip()`` for its (BF16) caches still updates
+them in place and keeps each job's rotated keys and values where it made them (kept allocations),
+as pieces of the returned cache refs that carry their scratchpad tile, ready when the job's
+vector unit is done: attention-decode takes the new token from there instead of waiting for the
+stores (``emit_kv_append``; loads then on queue 2, stores on queue 3).
+
 What bounds them: a decode step moves a few KB per core, so the DMA fixed costs (descriptor
 set-up, HBM latency) and the launch: about two DMA round trips plus a dozen vector instructions.
 Latency-bound at every batch size.
@@ -68,7 +74,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax.numpy as jnp
@@ -84,7 +90,7 @@ from jalapeno_emu.isa.table import DTYPES
 
 from .attention_ref import yarn_cos_sin
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
-from .emit import EmitCtx, Emitter, Out, TensorRef, fetch, run_emitter
+from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .mla import latent_cache_capacity
 from .planning import Budget
 from .registry import register
@@ -356,6 +362,8 @@ class _CorePlan:
     sem: dict[str, list[Semaphore]]
     ready: Semaphore | None
     stored: list[tuple[int, int]]
+    load_queue: int = 0  # slot s loads on queue load_queue + s (mod the queues)
+    store_queue: int = 2  # and stores on queue store_queue + s
 
 
 def _plan_core(kb: KernelBuilder, c: int, consts: list[tuple[Tile, Tile]], jobs: list[_Job],
@@ -401,7 +409,7 @@ def _run_core(kb: KernelBuilder, p: _CorePlan, waited: dict[Any, set] | None = N
             core.mxu.wait(p.ready, 1)
     for j, job in enumerate(jobs):
         s, use = j % slots, j // slots + 1
-        lq, sq = core.dma[s % nq], core.dma[(2 + s) % nq]
+        lq, sq = core.dma[(p.load_queue + s) % nq], core.dma[(p.store_queue + s) % nq]
         if j >= slots:
             lq.wait(sem["stored"][s], p.stored[j - slots][1])
         for dst, src in job.loads:
@@ -630,13 +638,36 @@ def _kv_written(g: _KvGeom, i0: int, n: int) -> list[tuple[str, int, int, int, i
     return out
 
 
+def _kv_kept_rows(g: _KvGeom, p: _CorePlan, spans: list[range],
+                  refs: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """The caches' refs with the new rows of core ``p``'s jobs also on chip (BF16): each job's
+    rotated keys (its ``kout`` rows, packed: the [n*D, 1] K^T column of its items) and values
+    (its ``v`` rows), pieces of the HBM tensors with their tiles, ready once the job's vector
+    unit is done (the values had landed before it started). A reader takes those bytes, the
+    ones the stores write, from there instead of waiting for the stores."""
+    k_ref, v_ref = refs["k_cache"], refs["v_cache"]
+    slots = min(2, len(p.jobs))
+    for k, (job, span) in enumerate(zip(p.jobs, spans, strict=True)):
+        ready = (p.sem["done"][k % slots].id, k // slots + 1)
+        (_, k_rows), (_, v_rows) = job.stores[0], job.passthrough[0]
+        i0, n = span.start, len(span)
+        k_new = Piece(i0 * g.d, g.ctx - 1, n * g.d, 1, k_rows, None, ready)
+        v_new = [Piece(i * g.cap + g.ctx - 1, 0, 1, g.d, v_rows.sub(i - i0, 0, 1, g.d), None, ready)
+                 for i in span]
+        k_ref = replace(k_ref, pieces=(*k_ref.pieces, k_new))
+        v_ref = replace(v_ref, pieces=(*v_ref.pieces, *v_new))
+    return refs | {"k_cache": k_ref, "v_cache": v_ref}
+
+
 def _kv_core(kb: KernelBuilder, c: int, items: range, per_job: int, slots: int, g: _KvGeom,
-             hbm: dict[str, Any]) -> tuple[_CorePlan, list[range]]:
+             hbm: dict[str, Any], keep: tuple[str, ...] = ()) -> tuple[_CorePlan, list[range]]:
     """Core ``c``'s share, planned: ``items`` in jobs of ``per_job`` on ``slots`` buffer slots;
-    also each job's items."""
+    also each job's items. ``keep``: slot buffers that outlive the emitter (``kb.sram(keep=)``:
+    the new rows kept on chip for a reader of the caches)."""
     d, h = g.d, g.d // 2
     slot_specs, shared_specs, acc_specs = _kv_buffers(per_job, d, g.fp8)
-    buf = {name: [kb.sram(c, f"{name}{s}", sh, dt) for s in range(slots)] for name, sh, dt in slot_specs}
+    buf = {name: [kb.sram(c, f"{name}{s}", sh, dt, keep=name in keep) for s in range(slots)]
+           for name, sh, dt in slot_specs}
     buf |= {name: [kb.acc(c, f"{name}{s}", sh) for s in range(slots)] for name, sh, _ in acc_specs}
     cos, sin = kb.sram(c, "cos", (1, h), "f32"), kb.sram(c, "sin", (1, h), "f32")
     consts = [(cos, hbm["rope_cos"]), (sin, hbm["rope_sin"])]
@@ -708,25 +739,40 @@ def emit_kv_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
     kb, spec = ctx.kb, ctx.spec
     g, blocks, per_job, n_jobs = _kv_plan(shape, spec, ctx.budget)
     names = ("k_cache", "v_cache") + (("k_cache.scales", "v_cache.scales") if g.fp8 else ())
+    kept = 0
     for name in names:
         place = (outs or {}).get(name)
-        if place is not None and (place.ref is None or place.ref.base != t[name].base):
+        if place is not None and place.ref is None and place.cores is None:
+            kept += 1  # Out.onchip(): updated in place, and the new rows also kept on chip
+        elif place is not None and (place.ref is None or place.ref.base != t[name].base):
             raise InvalidArgumentError(f"kv-append updates {name} in place: its output must be the "
-                                       "input tensor")
+                                       "input tensor (or Out.onchip(): in place, new rows kept on chip)")
+    # The rows stay where the jobs made them: BF16 caches (an MXFP8 append re-quantises a whole
+    # 32-token V block), each job on a slot of its own (no slot reuse overwrites them).
+    keep = ("kout", "v") if kept == len(names) and not g.fp8 and n_jobs <= 2 else ()
     hbm: dict[str, Any] = {name: t[name].base for name in ("rope_cos", "rope_sin", *names)}
     hbm |= {"k_new": t["k_new"], "v_new": t["v_new"]}
     if g.fp8:
         hbm["eye"] = t["eye"].base if "eye" in t else ctx.const("eye", np.eye(g.d, dtype=_BF16), "bf16")
         hbm["v_blocks"] = _packed(hbm["v_cache"], g.items * g.cap // 32, 32 * g.d)  # a row per 32-token block
-    plans = [_kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm)
+    plans = [_kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm, keep)
              for c, (lo, hi) in enumerate(blocks)]
     for p, _ in plans:
+        if keep:
+            # A decode attention in the same program takes these rows from this core (its KV
+            # split holding the new token runs here): the loads share queue 2 with its query
+            # fetch (both read the QKV projection's output) rather than queue 0, where the next
+            # operators' weights stream in; the stores go on queue 3, after which nothing of the
+            # attention's waits (a DMA queue's signal waits for everything issued before it).
+            p.load_queue, p.store_queue = 2, 3
         _prefetch_core(kb, p)
     refs = {name: t[name] for name in names}
     for p, spans in plans:
         for cond, span in zip(p.stored, spans, strict=True):
             for name, *region in _kv_written(g, span.start, len(span)):
                 refs[name] = refs[name].with_ready(*region, cond)
+        if keep:
+            refs = _kv_kept_rows(g, p, spans, refs)
     yield refs
     waited: dict[Any, set] = {}
     for p, _ in plans:

@@ -118,8 +118,10 @@ class TensorRef:
         base: the HBM tile of the whole tensor (MX: its codes), or None for an on-chip tensor.
         base_scales: an MX HBM tensor's scales tile.
         mx_axis: the blocked axis of an MX tensor (None: not MX).
-        pieces: HBM: readiness regions (regions without one are ready at start); on chip: the
-            regions each core holds (together they cover the tensor; replicas may repeat).
+        pieces: HBM: readiness regions (regions without one are ready at start), and regions
+            whose new bytes are also in a scratchpad tile (a piece with ``tile``: kv-append's
+            kept rows); on chip: the regions each core holds (together they cover the tensor;
+            replicas may repeat).
     """
 
     name: str

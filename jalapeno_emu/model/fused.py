@@ -24,7 +24,9 @@ next one loading each tile once it is ready.
 
 **Caches.** ``kv-append`` / ``mla-append`` write the new tokens into the layer's cache in HBM;
 the attention operator reads the cache through the append's output, waiting only for the bytes
-the append wrote (the rest of the context is prefetched while earlier operators run).
+the append wrote (the rest of the context is prefetched while earlier operators run). In a
+decode step ``kv-append`` also keeps the new K and V rows on chip (``Out.onchip()`` for its
+caches) and attention-decode takes them from there, so the stores are off its path.
 """
 
 from __future__ import annotations
@@ -214,7 +216,9 @@ class _Graph:
         replicated when that is cheaper than an exchange), HBM in a prefill chunk (None)."""
         if label in ("attn_norm", "ffn_norm", "q_a_norm"):
             return self.rep
-        if label in ("kv_append",) or (label == "mla_append" and output == "kv_cache"):
+        if label == "kv_append":  # the cache in HBM, the new rows also kept on chip (decode)
+            return self.onchip
+        if label == "mla_append" and output == "kv_cache":
             return None  # the cache, in HBM
         return self.onchip
 

@@ -175,3 +175,100 @@ def test_decode_output_kept_on_chip_is_one_piece_per_run_of_heads_and_equals_the
     got = run_functional(prog, {**data, **comp.ctx.consts}).read("res", "bf16", (b, hq * d))
     want = run_functional(build.program, ins).read("out", "bf16", (b, hq * d))
     assert np.array_equal(_bits(got), _bits(want))
+
+
+def _append_then_decode(common: dict, q_heads: int, *, onchip: bool, append_cores: int | None = None):
+    """kv-append then attention-decode in one program on tiny: the decode reads the append's
+    caches (new rows kept on chip with ``onchip``; the append on ``append_cores`` cores)."""
+    from dataclasses import replace
+
+    from jalapeno_emu.kernels.cache import emit_kv_append
+
+    b, hkv, d = common["batch"], common["kv_heads"], common["head_dim"]
+    ashape = get_kernel("kv-append").shape(common)
+    dshape = get_kernel("attention-decode").shape({**common, "q_heads": q_heads})
+    kb = KernelBuilder("append_decode", chip=TINY)
+    comp = Composer(kb, TINY)
+    for name, cols in (("q", q_heads * d), ("k", hkv * d), ("v", hkv * d), ("res", q_heads * d)):
+        comp.value(name, TensorRef.hbm(name, kb.hbm(name, (b, cols), "bf16")))
+    outs = {"k_cache": Out.onchip(), "v_cache": Out.onchip()} if onchip else {}
+    if append_cores is None:
+        comp.add_kernel("app", "kv-append", ashape, inputs={"k_new": "k", "v_new": "v"},
+                        outputs={"k_cache": "kc", "v_cache": "vc"}, outs=outs)
+    else:  # the append planned on fewer cores: its rows are not where the attention runs
+        for ts in get_kernel("kv-append").tensors_of(ashape, TINY):
+            if ts.role != "input":
+                tile = kb.hbm(f"app/{ts.name}", ts.shape, ts.dtype)
+                comp.value(f"app/{ts.name}", TensorRef.hbm(ts.name, tile))
+
+        def emit(ctx, **t):
+            narrow = replace(ctx, budget=replace(ctx.budget, cores=append_cores))
+            return emit_kv_append(narrow, ashape, t, outs)
+
+        own = {n: f"app/{n}" for n in ("k_cache", "v_cache", "rope_cos", "rope_sin")}
+        comp.add("app", emit, {"k_new": "k", "v_new": "v", **own}, {"k_cache": "kc", "v_cache": "vc"},
+                 kind="kv-append")
+    comp.add_kernel("attn", "attention-decode", dshape, inputs={"q": "q", "k_cache": "kc", "v_cache": "vc"},
+                    outputs={"out": "o"}, outs={"out": Out.to(comp.values["res"])})
+    comp.build()
+    return kb.build(), comp, ashape, dshape
+
+
+def _hbm_bytes(tile) -> set[int]:
+    from jalapeno_emu.isa.table import DTYPES
+
+    row = DTYPES[tile.dtype].row_bytes(tile.cols)
+    return {tile.offset + r * tile.stride + i for r in range(tile.rows) for i in range(row)}
+
+
+@pytest.mark.parametrize("common, append_cores", [
+    ({"batch": 1, "context": 40, "kv_heads": 2, "head_dim": 64}, None),  # a unit per core
+    ({"batch": 1, "context": 64, "kv_heads": 1, "head_dim": 64}, None),  # KV splits; the new token last
+    ({"batch": 3, "context": 100, "kv_heads": 2, "head_dim": 64}, None),  # three units per core
+    ({"batch": 1, "context": 40, "kv_heads": 2, "head_dim": 64}, 1),  # rows on another core: DMA copies
+])
+def test_decode_takes_the_appended_token_from_chip(common, append_cores):
+    """kv-append then attention-decode fused (a decode layer's order): the attention takes the new
+    token's K and V from the append's scratchpad, never loading them from HBM (the append's stores
+    there are off its path); output and caches equal the two launches bit for bit; the program is
+    race-free; and it ends about a store and a dependent load earlier (less a DMA copy when the
+    rows are on another core) than when the attention reads the token back from HBM."""
+    from jalapeno_emu.emu.timing import run_timing
+
+    hq, b, d, ctx = 8, common["batch"], common["head_dim"], common["context"]
+    prog, comp, ashape, dshape = _append_then_decode(common, hq, onchip=True, append_cores=append_cores)
+    check_program(prog, TINY)
+    # No load of the attention reads a byte of the new token's rows.
+    cap = -(-ctx // 32) * 32
+    kc, vc = comp.values["kc"].base, comp.values["vc"].base
+    items = b * common["kv_heads"]
+    rows = [(kc.sub(i * d, ctx - 1, d, 1), vc.sub(i * cap + ctx - 1, 0, 1, d)) for i in range(items)]
+    new = set().union(*(_hbm_bytes(k) | _hbm_bytes(v) for k, v in rows))
+    regions = dict(dict(prog.meta)["regions"])
+    loads = [ins for a, z in regions["attn"] for ins in prog.instructions[a:z] if ins.mnemonic == "dma.load"]
+    assert loads and not any(_hbm_bytes(dict(ins.args)["src"]) & new for ins in loads)
+    # The same program reading the token back from HBM does load those bytes.
+    prog_hbm, *_ = _append_then_decode(common, hq, onchip=False, append_cores=append_cores)
+    regions_hbm = dict(dict(prog_hbm.meta)["regions"])
+    assert any(_hbm_bytes(dict(ins.args)["src"]) & new for a, z in regions_hbm["attn"]
+               for ins in prog_hbm.instructions[a:z] if ins.mnemonic == "dma.load")
+    # Bit for bit the launches: kv-append, then attention-decode on the caches it wrote.
+    app, dec = get_kernel("kv-append").build(ashape, TINY), get_kernel("attention-decode").build(dshape, TINY)
+    ains, dins = app.make_inputs(1), dec.make_inputs(2)
+    ains.update(k_cache=dins["k_cache"], v_cache=dins["v_cache"])
+    res = run_functional(app.program, ains)
+    caches = {n: res.read(n, dt, sh) for n, (dt, sh) in app.outputs.items()}
+    want = run_functional(dec.program, {**dins, **caches}).read("out", "bf16", (b, hq * d))
+    data = {"q": dins["q"].reshape(b, hq * d), "k": ains["k_new"], "v": ains["v_new"],
+            **{f"app/{n}": ains[n] for n in ("rope_cos", "rope_sin", "k_cache", "v_cache")},
+            **{f"attn/{n}": dins[n] for n in ("rope_cos", "rope_sin", "sinks")}, **comp.ctx.consts}
+    got = run_functional(prog, data)
+    assert np.array_equal(_bits(got.read("res", "bf16", (b, hq * d))), _bits(want))
+    for n, (dt, sh) in app.outputs.items():
+        assert np.array_equal(_bits(got.read(f"app/{n}", dt, sh)), _bits(caches[n]))
+    # The HBM path pays a store and a dependent load after the rotation, each a DMA set-up and an
+    # HBM latency; the rows on chip cost a vector copy on the attention's core, or one DMA copy.
+    trip = TINY.dma.setup_latency_s + TINY.hbm.latency_s
+    expected = 2 * trip - (TINY.dma.setup_latency_s if append_cores else 0.0)
+    saved = run_timing(prog_hbm, TINY).time_s - run_timing(prog, TINY).time_s
+    assert 0.8 * expected <= saved <= 1.05 * expected

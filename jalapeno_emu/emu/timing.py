@@ -152,12 +152,21 @@ def run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
                                                   strict=True)),
                              barrier_arrived)
 
+    return timeline_of(program, spec, st, starts, ends, pred, filled)
+
+
+def timeline_of(program: Program, spec: ChipSpec, st: StaticCosts, starts: np.ndarray, ends: np.ndarray,
+                pred: np.ndarray, filled: np.ndarray) -> Timeline:
+    """The Timeline of an event loop's result: per-instruction ``starts``/``ends`` (s) and critical
+    predecessors ``pred`` (-1: none), and the matmuls that paid the pipeline fill (``filled``,
+    instruction indices), with the static costs ``st`` (the compiled loop and the test oracle
+    both end here)."""
     fixed = st.fixed
     fixed[filled] += spec.matrix.pipeline_depth_cycles / spec.core.clock_hz
     return Timeline(
         program=program,
         spec=spec,
-        engines=engines,
+        engines=st.facts.engines,
         start_s=starts,
         end_s=ends,
         engine_index=st.facts.engine_index,

@@ -17,7 +17,7 @@ from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.costs import BARRIER, COPY, HBM, MXU, PROBE, SEND, SIGNAL, VEC, WAIT, StaticCosts
 from jalapeno_emu.emu.schedule import deadlock_error
 from jalapeno_emu.emu.timeline import Timeline
-from jalapeno_emu.emu.timing import _check_fits
+from jalapeno_emu.emu.timing import _check_fits, timeline_of
 from jalapeno_emu.isa.program import Program
 
 __all__ = ["reference_run_timing"]
@@ -301,25 +301,6 @@ def reference_run_timing(program: Program, spec: ChipSpec | str) -> Timeline:
                         defaultdict(int, zip(st.facts.semaphore_ids.tolist(), sem_count, strict=True)),
                         defaultdict(set, barrier_arrived))
 
-    fixed = st.fixed
-    if fills:
-        fixed[np.array(fills, dtype=np.int64)] += fill_s
-    return Timeline(
-        program=program,
-        spec=spec,
-        engines=engines,
-        start_s=np.array(starts, dtype=np.float64),
-        end_s=np.array(ends, dtype=np.float64),
-        engine_index=st.facts.engine_index,
-        category=st.category,
-        bytes=st.nbytes,
-        hbm=st.hbm,
-        flops=st.flops,
-        flop_format=st.fmt,
-        fixed_s=fixed,
-        work_s=st.work,
-        core_dma_s=st.core_dma,
-        pred=np.array(pred, dtype=np.int64),
-        hbm_bytes_per_channel=st.channel_bytes,
-        launch_s=spec.sync.kernel_launch_s,
-    )
+    as_f64 = lambda xs: np.array(xs, dtype=np.float64)  # noqa: E731
+    as_i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    return timeline_of(program, spec, st, as_f64(starts), as_f64(ends), as_i64(pred), as_i64(fills))

@@ -26,18 +26,37 @@ import os
 import sys
 import weakref
 from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArgumentError, InvalidTypeError
-from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
+from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Loop, Program, Tile
 from jalapeno_emu.mx.formats import canonical_format, describe_formats
 
 from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
+from .loops import loops_from_iterations
 from .table import DTYPES, TABLE, InstrSpec, Space
 
-__all__ = ["CoreHandle", "DmaQueues", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore"]
+__all__ = ["CoreHandle", "DmaQueues", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore",
+           "unrolled_loops"]
+
+# False inside ``unrolled_loops()``: every ``repeat`` issues all its iterations as instructions.
+_LOOPS_ON = [True]
+
+
+@contextmanager
+def unrolled_loops() -> Iterator[None]:
+    """Inside this block, ``KernelBuilder.repeat`` unrolls: every kernel built here is the same
+    program with its loops written out, instruction by instruction (what tests compare a looped
+    program with, and a way to rule loops out when chasing a problem)."""
+    _LOOPS_ON.append(False)
+    try:
+        yield
+    finally:
+        _LOOPS_ON.pop()
 
 _HBM_ALIGN = 4096  # allocations start on a page so that tiles map to channels predictably
 _SRAM_ALIGN = 64
@@ -390,7 +409,7 @@ class KernelBuilder:
         self.name = name
         self.chip = load_preset(chip) if isinstance(chip, str) else chip
         self.preset = chip if isinstance(chip, str) else self.chip.name
-        self._instructions: list[Instruction] = []
+        self._instructions: list[Instruction | Loop] = []
         self._allocs: list[Allocation] = []
         self._alloc_names: set[tuple[Space, int, str]] = set()
         self._legal: set[tuple] = set()  # instruction signatures already found legal
@@ -558,17 +577,84 @@ class KernelBuilder:
         if key is not None:
             self._legal.add(key)
 
+    # --- loops ----------------------------------------------------------------------------
+    def repeat(self, count: int, body: Callable[[int], Any]) -> tuple[Loop, ...]:
+        """Issue ``body(i)`` for ``i`` in ``range(count)``, as hardware loops.
+
+        ``body(i)`` issues iteration ``i``'s instructions, on any engines, exactly as the body of
+        a Python ``for`` loop would. Iteration 0 is issued as it is (an engine's first
+        instruction in a region brings the region's fences); iterations 1..count-1 become one
+        ``Loop`` per engine, so the program does not grow with ``count`` and the builder calls
+        ``body`` four times, not ``count`` times. For that, every operand that changes from one
+        iteration to the next must change by the same step (tile offsets, wait values,
+        semaphore ids): the steps are read from iterations 1 and 2 and checked against
+        iteration ``count - 1``. ``body`` must depend on nothing but ``i`` (no counters it
+        advances) and allocate no memory or semaphores: allocate before the loop.
+
+        Legality is checked on iterations 0, 1, 2 and ``count - 1``. That covers all of them:
+        operands are affine in ``i``, a bound (a tile inside its memory, a value in its field)
+        holds between its first and last iteration if it holds at both ends, and an alignment
+        holds for every iteration once it holds for two consecutive ones.
+
+        Inside ``unrolled_loops()`` every iteration is issued as plain instructions: the same
+        program with each engine's instructions in the same order.
+
+        Args:
+            count: iterations (0: nothing is issued).
+            body: issues iteration ``i``.
+
+        Returns:
+            The loops recorded (empty when ``count`` is at most 3 or loops are unrolled: then
+            ``body`` ran for every ``i``).
+
+        Raises:
+            InvalidArgumentError: ``count`` is negative or not an integer, the body allocates
+                memory or semaphores, or its iterations differ in more than affine operands.
+        """
+        if type(count) is not int or count < 0:
+            raise InvalidArgumentError(f"repeat count {count!r} must be a non-negative integer")
+        if count <= 3 or not _LOOPS_ON[-1]:
+            for i in range(count):
+                body(i)
+            return ()
+        body(0)
+        marks = (len(self._allocs), len(self._sems), len(self._regions), self._region)
+        probes = []
+        for i in (1, 2, count - 1):
+            start = len(self._instructions)
+            body(i)
+            if (len(self._allocs), len(self._sems), len(self._regions), self._region) != marks:
+                raise InvalidArgumentError(
+                    f"the body of repeat({count}) allocates memory, semaphores or regions in "
+                    f"iteration {i}; allocate them before the loop and index them by i")
+            probes.append(self._instructions[start:])
+            del self._instructions[start:]
+        loops = loops_from_iterations(probes[0], probes[1], probes[2], count - 1, first_index=1)
+        self._instructions.extend(loops)
+        return tuple(loops)
+
     def build(self) -> Program:
         """The recorded Program."""
+        items = tuple(self._instructions)
+        regions = tuple((r.name, tuple(r.ranges)) for r in self._regions)
+        if Loop in map(type, items):
+            # Region ranges were taken as item positions; the program's are instruction indices.
+            flat_start, flat = [], 0
+            for item in items:
+                flat_start.append(flat)
+                flat += item.size if type(item) is Loop else 1
+            flat_start.append(flat)
+            regions = tuple((name, tuple((flat_start[a], flat_start[b]) for a, b in ranges))
+                            for name, ranges in regions)
         return Program(
             name=self.name,
-            instructions=tuple(self._instructions),
+            instructions=items,
             allocations=tuple(self._allocs),
             preset=self.preset,
             semaphores=tuple((s.id, s.name) for s in self._sems),
             meta=(("tensors", tuple(self._tensors.items())),
                   ("buffers", tuple(self._buffers.items())),
-                  ("regions", tuple((r.name, tuple(r.ranges)) for r in self._regions))),
+                  ("regions", regions)),
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from jalapeno_emu.errors import IllegalInstruction
@@ -21,6 +22,7 @@ __all__ = [
     "Engine",
     "HbmInit",
     "Instruction",
+    "Loop",
     "Program",
     "Tile",
     "parse_engine",
@@ -254,6 +256,114 @@ class Instruction:
 
 
 @dataclass(frozen=True)
+class Loop:
+    """A hardware loop: ``body`` issued ``count`` times in a row to one engine, with affine operands.
+
+    Iteration ``i`` (0-based) is the body with every operand named in ``steps`` advanced by ``i``
+    times its step: a tile's ``offset`` by that many bytes, an integer operand (``imm`` or ``sem``:
+    a ``sem.wait`` value, a semaphore id, a barrier id, a link tag) by that much. Everything else
+    is the same in every iteration. This is what a Pallas grid or a DSP's zero-overhead loop
+    expresses, and what keeps a program's size independent of its problem size: a K loop of a
+    GEMM is one Loop per engine however deep K is.
+
+    The loop means exactly its unrolled instructions (``expand``): the checker, the functional
+    pass and the assembler may read it unrolled; the timing pass reads the body once and derives
+    the iterations' costs as arrays.
+
+    Attributes:
+        engine: the queue every body instruction is issued to.
+        body: iteration 0's instructions, all on ``engine``.
+        count: iterations (at least 1).
+        steps: per body instruction, ``(operand name, step)`` pairs; integers.
+
+    Raises:
+        IllegalInstruction: an empty body, a count below 1, a body instruction on another engine,
+            steps that do not match the body, a step on an operand that is not a tile or an
+            integer, or a last iteration whose tile offsets or integers would be negative.
+    """
+
+    engine: Engine
+    body: tuple[Instruction, ...]
+    count: int
+    steps: tuple[tuple[tuple[str, int], ...], ...]
+
+    def __post_init__(self) -> None:
+        if type(self.count) is not int or self.count < 1:
+            raise IllegalInstruction(f"a loop runs at least once; count {self.count!r}",
+                                     engine=str(self.engine))
+        if not self.body:
+            raise IllegalInstruction("a loop needs at least one instruction in its body",
+                                     engine=str(self.engine))
+        if len(self.steps) != len(self.body):
+            raise IllegalInstruction(f"a loop of {len(self.body)} body instructions has steps for "
+                                     f"{len(self.steps)}", engine=str(self.engine))
+        last = self.count - 1
+        for ins, steps in zip(self.body, self.steps, strict=True):
+            if ins.engine != self.engine:
+                raise IllegalInstruction(f"a loop on {self.engine} holds a {ins.mnemonic} for {ins.engine}",
+                                         engine=str(self.engine), source=ins.source or None)
+            args = dict(ins.args)
+            for name, step in steps:
+                value = args.get(name, _ABSENT)
+                if type(step) is not int:
+                    raise IllegalInstruction(f"loop step of {ins.mnemonic} operand {name!r} is "
+                                             f"{step!r}; steps are integers", engine=str(self.engine),
+                                             source=ins.source or None)
+                if isinstance(value, Tile):
+                    end = value.offset + last * step
+                elif type(value) is int:
+                    end = value + last * step
+                else:
+                    raise IllegalInstruction(
+                        f"{ins.mnemonic} has no tile or integer operand {name!r} to step in a loop",
+                        engine=str(self.engine), source=ins.source or None)
+                if end < 0:
+                    raise IllegalInstruction(
+                        f"loop iteration {last} of {ins.mnemonic} would take operand {name!r} to {end}",
+                        engine=str(self.engine), source=ins.source or None)
+
+    @property
+    def size(self) -> int:
+        """Instructions the loop stands for (count x body length)."""
+        return self.count * len(self.body)
+
+    def iteration(self, i: int) -> tuple[Instruction, ...]:
+        """Iteration ``i``'s instructions (0 <= i < count)."""
+        if not 0 <= i < self.count:
+            raise IndexError(f"iteration {i} of a {self.count}-iteration loop")
+        if i == 0:
+            return self.body
+        return tuple(_advanced(ins, steps, i) if steps else ins
+                     for ins, steps in zip(self.body, self.steps, strict=True))
+
+    def expand(self) -> list[Instruction]:
+        """Every iteration's instructions, in issue order."""
+        out: list[Instruction] = []
+        for i in range(self.count):
+            out.extend(self.iteration(i))
+        return out
+
+
+_ABSENT = object()
+
+
+def _advanced(ins: Instruction, steps: tuple[tuple[str, int], ...], i: int) -> Instruction:
+    """``ins`` with each stepped operand advanced ``i`` steps."""
+    by_name = dict(steps)
+    args = []
+    for name, value in ins.args:
+        step = by_name.get(name)
+        if step is not None:
+            if isinstance(value, Tile):
+                value = Tile(value.space, value.core, value.offset + i * step, value.dtype, value.rows,
+                             value.cols, value.stride)
+            else:
+                value = value + i * step
+        args.append((name, value))
+    return Instruction(ins.mnemonic, ins.engine, tuple(args), ins.source)
+
+
+@dataclass(frozen=True)
 class Allocation:
     """A named region of memory.
 
@@ -310,14 +420,14 @@ class HbmInit:
     seed: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Program:
     """A recorded kernel.
 
     Attributes:
         name: the kernel's name.
-        instructions: every instruction, in the order it was issued (each engine runs its own
-            subsequence in order).
+        items: what was issued, in issue order: instructions and ``Loop``s (each engine runs its
+            own subsequence in order). A program without loops has ``items == instructions``.
         allocations: named HBM, SRAM and accumulator regions.
         preset: the chip preset the program was built for.
         semaphores: names of semaphore ids (id -> name), for messages and traces.
@@ -325,20 +435,64 @@ class Program:
         meta: what the builder recorded beyond the instructions (not encoded, not compared):
             "tensors" (HBM name -> (dtype, (rows, cols))), "buffers" ((space value, core, name)
             -> (dtype, (rows, cols)) of each scratchpad and accumulator allocation) and
-            "regions"; ``FunctionalResult.read`` reads values back with these.
+            "regions" (name -> [start, end) ranges of ``instructions`` indices);
+            ``FunctionalResult.read`` reads values back with these.
+
+    The constructor's ``instructions`` takes the items (plain instructions, loops or both); the
+    ``instructions`` attribute is every instruction with the loops unrolled, made when first
+    read. Two programs are equal when their items are: a loop and its unrolled form are two
+    representations of one program (compare ``instructions`` to compare what they do).
     """
 
     name: str
-    instructions: tuple[Instruction, ...]
+    items: tuple[Instruction | Loop, ...]
     allocations: tuple[Allocation, ...] = ()
     preset: str = "tiny"
     semaphores: tuple[tuple[int, str], ...] = ()
     inits: tuple[HbmInit, ...] = ()
     meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
+    def __init__(self, name: str, instructions: tuple[Instruction | Loop, ...] | Any = _ABSENT,
+                 allocations: tuple[Allocation, ...] = (), preset: str = "tiny",
+                 semaphores: tuple[tuple[int, str], ...] = (), inits: tuple[HbmInit, ...] = (),
+                 meta: tuple[tuple[str, Any], ...] = (), *,
+                 items: tuple[Instruction | Loop, ...] | None = None) -> None:
+        # ``items=`` is the field's own name, which ``dataclasses.replace`` always passes: an
+        # ``instructions=`` given beside it is the change asked for
+        items = tuple(instructions if instructions is not _ABSENT else items or ())
+        for attr, value in (("name", name), ("items", items), ("allocations", allocations),
+                            ("preset", preset), ("semaphores", semaphores), ("inits", inits),
+                            ("meta", meta)):
+            object.__setattr__(self, attr, value)
+        if Loop not in map(type, items):
+            self.__dict__["instructions"] = items  # nothing to unroll: the same tuple
+
+    @cached_property
+    def instructions(self) -> tuple[Instruction, ...]:
+        """Every instruction, loops unrolled, in issue order."""
+        out: list[Instruction] = []
+        for item in self.items:
+            if type(item) is Loop:
+                out.extend(item.expand())
+            else:
+                out.append(item)
+        return tuple(out)
+
+    @property
+    def loops(self) -> tuple[Loop, ...]:
+        """The loops among the items."""
+        return tuple(item for item in self.items if type(item) is Loop)
+
+    @property
+    def n_instructions(self) -> int:
+        """``len(instructions)``, without unrolling the loops."""
+        if "instructions" in self.__dict__:
+            return len(self.__dict__["instructions"])
+        return sum(item.size if type(item) is Loop else 1 for item in self.items)
+
     def engines(self) -> list[Engine]:
         """Engines with at least one instruction, sorted."""
-        return sorted({i.engine for i in self.instructions})
+        return sorted({i.engine for i in self.items})
 
     def streams(self) -> dict[Engine, list[int]]:
         """Instruction indices per engine, in issue order."""

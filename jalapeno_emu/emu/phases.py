@@ -93,7 +93,7 @@ def region_of_instructions(tl: Timeline) -> tuple[list[str], np.ndarray]:
     program's ``regions`` meta (``KernelBuilder.region``)."""
     regions = dict(tl.program.meta).get("regions", ())
     names = [name for name, _ in regions]
-    owner = np.full(len(tl.program.instructions), -1, dtype=np.int32)
+    owner = np.full(tl.program.n_instructions, -1, dtype=np.int32)
     for k, (_, ranges) in enumerate(regions):
         for a, b in ranges:
             owner[a:b] = k

@@ -30,7 +30,7 @@ from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu.hbm_map import channel_bytes
 from jalapeno_emu.emu.schedule import link_key
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.program import Engine, Program
+from jalapeno_emu.isa.program import Engine, Instruction, Loop, Program
 from jalapeno_emu.isa.table import DTYPES, Space, by_mnemonic
 
 __all__ = ["KIND_NAMES", "TRANSCENDENTAL_OPS", "ProgramFacts", "StaticCosts", "program_facts"]
@@ -97,6 +97,26 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ordered[new], inverse
 
 
+def _record_steps(rep: int, ins: Instruction, steps: dict[str, int], step_sem: list, step_count: list,
+                  step_hbm: list) -> None:
+    """Note the steps of loop body instruction ``ins`` (rep index ``rep``) that change a fact."""
+    row = by_mnemonic(ins.mnemonic)
+    if row is None:
+        return  # _read names the unknown mnemonic
+    if row.timing == "sync":
+        first, second = ("id", "count") if ins.mnemonic == "barrier" else \
+            ("sem", "value" if ins.mnemonic == "sem.wait" else "count")
+        if first in steps:
+            step_sem.append((rep, steps[first]))
+        if second in steps:
+            step_count.append((rep, steps[second]))
+    elif row.timing == "dma":
+        hbm_name = next((op.name for op in row.operands
+                         if op.kind == "tile" and op.spaces == (Space.HBM,)), None)
+        if hbm_name is not None and hbm_name in steps:
+            step_hbm.append((rep, steps[hbm_name]))
+
+
 class ProgramFacts:
     """What a Program says about cost, independent of the chip. Arrays are indexed by instruction.
 
@@ -118,7 +138,89 @@ class ProgramFacts:
     """
 
     def __init__(self, program: Program) -> None:
-        instrs = program.instructions
+        loops = program.loops
+        if loops and not any(loop.engine.unit == "link" for loop in loops):
+            self._read_looped(program)
+        else:
+            self._read(program.instructions)
+        for arr in (self.kind, self.nbytes, self.sem, self.count, self.mm, self.fmt, self.elements,
+                    self.special, self.gather_rows, self.hbm_idx, self.hbm_tile, self.engine_index,
+                    self.core):
+            arr.setflags(write=False)  # shared by every Timeline of this program
+
+    def _read_looped(self, program: Program) -> None:
+        """The facts of a program with loops, reading each loop's body once.
+
+        The items' distinct instructions (plain ones, and each loop's body) are read as a
+        program of their own; every instruction of the unrolled program is then a row of those
+        facts, with its iteration's steps added to the fields a step can change: wait values and
+        semaphore or barrier ids (``count``, ``sem``) and the HBM tile's offset. Nothing else a
+        fact holds depends on an operand a loop may step (byte counts, shapes and formats do not
+        change from one iteration to the next).
+        """
+        items = program.items
+        reps: list = []
+        sizes = np.empty(len(items), dtype=np.int64)
+        body_len = np.ones(len(items), dtype=np.int64)
+        rep_start = np.empty(len(items), dtype=np.int64)
+        step_sem, step_count, step_hbm = [], [], []  # (rep index, step)
+        for k, item in enumerate(items):
+            rep_start[k] = len(reps)
+            if type(item) is Loop:
+                sizes[k], body_len[k] = item.size, len(item.body)
+                for ins, steps in zip(item.body, item.steps, strict=True):
+                    if steps:
+                        _record_steps(len(reps), ins, dict(steps), step_sem, step_count, step_hbm)
+                    reps.append(ins)
+            else:
+                sizes[k] = 1
+                reps.append(item)
+        self._read(reps)
+        # Unrolled position -> (item, position within it) -> (rep, iteration).
+        n = int(sizes.sum())
+        item_of = np.repeat(np.arange(len(items)), sizes)
+        within = np.arange(n) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        blen = body_len[item_of]
+        rep = rep_start[item_of] + within % blen
+        it = within // blen
+        d_sem, d_count, d_hbm = (np.zeros(len(reps), dtype=np.int64) for _ in range(3))
+        for arr, pairs in ((d_sem, step_sem), (d_count, step_count), (d_hbm, step_hbm)):
+            if pairs:
+                where, step = np.array(pairs, dtype=np.int64).T
+                arr[where] = step
+        # The rep facts' semaphore numbers are dense indices: back to ids before stepping them.
+        rep_kind = self.kind
+        rep_sem = self.sem.copy()
+        sync = (rep_kind == SIGNAL) | (rep_kind == WAIT)
+        rep_sem[sync] = self.semaphore_ids[self.sem[sync]]
+        self.n = n
+        self.kind = rep_kind[rep]
+        self.nbytes = self.nbytes[rep]
+        self.sem = rep_sem[rep] + it * d_sem[rep]
+        self.count = self.count[rep] + it * d_count[rep]
+        self.mm = self.mm[rep]
+        self.fmt = self.fmt[rep]
+        self.elements = self.elements[rep]
+        self.special = self.special[rep]
+        self.gather_rows = self.gather_rows[rep]
+        self.engine_index = self.engine_index[rep]
+        self.core = self.core[rep]
+        order = np.argsort(self.engine_index, kind="stable")
+        cuts = np.searchsorted(self.engine_index[order], np.arange(1, len(self.engines)))
+        self.streams = [part.tolist() for part in np.split(order, cuts)]
+        row_of = np.full(len(reps), -1, dtype=np.int64)
+        row_of[self.hbm_idx] = np.arange(len(self.hbm_idx))
+        rows = row_of[rep]
+        self.hbm_idx = np.nonzero(rows >= 0)[0]
+        tiles = self.hbm_tile[rows[self.hbm_idx]]
+        tiles[:, 0] += it[self.hbm_idx] * d_hbm[rep[self.hbm_idx]]
+        self.hbm_tile = tiles
+        sync = (self.kind == SIGNAL) | (self.kind == WAIT)
+        self.semaphore_ids, dense = np.unique(self.sem[sync], return_inverse=True)
+        self.sem[sync] = dense.reshape(-1)
+
+    def _read(self, instrs: Sequence[Instruction]) -> None:
+        """Read the facts of ``instrs``, one per instruction."""
         n = self.n = len(instrs)
         self.kind = np.zeros(n, dtype=np.int8)
         self.nbytes = np.zeros(n, dtype=np.int64)
@@ -217,10 +319,6 @@ class ProgramFacts:
         self.sem[sems] = dense.reshape(-1)
         self.hbm_idx = np.concatenate(hbm_idx) if hbm_idx else np.zeros(0, dtype=np.int64)
         self.hbm_tile = np.concatenate(hbm_tile) if hbm_tile else np.zeros((0, 4), dtype=np.int64)
-        for arr in (self.kind, self.nbytes, self.sem, self.count, self.mm, self.fmt, self.elements,
-                    self.special, self.gather_rows, self.hbm_idx, self.hbm_tile, self.engine_index,
-                    self.core):
-            arr.setflags(write=False)  # shared by every Timeline of this program
 
     def _engines(self, engs: list[Engine]) -> None:
         """Number the engines in sorted order and split the program into per-engine streams."""

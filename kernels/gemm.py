@@ -123,6 +123,7 @@ COL_GRANULE = 64  # output columns per slice step: an fp4 row piece of 32 B is o
 MAX_ROWS = 512  # rows of an output block: 4 matrix-unit tiles
 MAX_COLS = 2048  # columns of an output block (SRAM: W chunk rows x Nb)
 MAX_CHUNK = 512  # K elements per streamed chunk: short start-up, few descriptors
+LOOP_MIN_ROUNDS = 4  # rounds of the slots below which a K loop is issued unrolled (repeat's own floor)
 EPILOGUE_BYTES = 256 * 1024  # FP32 scratch for the bias add, processed in row slabs
 BROADCAST_MIN_BYTES = 256 * 1024  # x panels this big (or 1/16 of SRAM) are loaded once and relayed
 RELAY_GROUP = 4  # cores that share one HBM read of an x panel
@@ -570,6 +571,10 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
 
     if not x_static:
         emit_x_prologue()
+    # The K loop's steady state becomes hardware loops where each chunk's x is resident or read
+    # from a static HBM tensor: an x streamed from other operators is fetched with waits of
+    # its own that differ from chunk to chunk.
+    loops_ok = plan.x_resident or x_static
     for c, r in per_core.items():
         items, core = plan.items[c], r["core"]
         # Slot s loads on queue s % load_queues, so several queues keep chunks in flight.
@@ -607,7 +612,16 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                     and not (t == 0 and r["panel0"]):
                 panel_loads += 1
                 pieces += emit_panel(r, t, r["panel_sems"], panel_loads)
-            for ci, (k0, kw) in enumerate(_chunks(k, kc, tail=t == len(items) - 1)):
+            chunks = _chunks(k, kc, tail=t == len(items) - 1)
+
+            def emit_chunk(ci: int, step: int, t: int = t, rows: int = rows, cols: int = cols,
+                           acc: Any = acc, pieces: list = pieces, chunks: list = chunks, r: dict = r,
+                           core: Any = core, mxu: Any = mxu, items: list = items, freed: list = freed,
+                           loaded: list = loaded, x_first: list = x_first, acc_free: Any = acc_free,
+                           a_buf: list = a_buf, b_buf: list = b_buf) -> None:
+                """Weight chunk ``ci`` of item t (the core's ``step``-th): its slot's reload
+                once the matrix unit is done with the slot, then the matmul."""
+                k0, kw = chunks[ci]
                 s, use = step % plan.slots, step // plan.slots
                 if use:  # the matrix unit must be done with this slot's previous chunk
                     core.dma[_chunk_queue(r, plan, step)].wait(freed[s], use)
@@ -615,8 +629,6 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                 b_t = b_buf[s].sub(0, 0, kw, cols)
                 if plan.w_scales_resident:
                     b_t = MXTensor(b_t, r["w_scales"].sub(k0 // 32, 0, kw // 32, cols), axis=0)
-                elif w_mx:
-                    b_t = b_buf[s].sub(0, 0, kw, cols)
                 a_t = a_buf[0].sub(0, k0, rows, kw) if plan.x_resident else a_buf[s].sub(0, 0, rows, kw)
                 for piece in [pc for pc in pieces if pc[0] < k0 + kw and k0 < pc[0] + pc[1]]:
                     mxu.wait(piece[2], piece[3])  # the x panel piece this chunk reads has landed
@@ -628,6 +640,20 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
                     mxu.wait(x_first[s], 1)
                 mxu.matmul_mx(acc, a_t, b_t, mode="overwrite" if ci == 0 else "accumulate")
                 mxu.signal(freed[s])
+
+            ci = 0
+            while ci < len(chunks):
+                run = _steady_chunks(chunks, ci, step, plan, pieces, kc, loops_ok)
+                if run:
+                    # Whole rounds of the slots, each the same up to its K offset and its
+                    # semaphore counts: one hardware loop per engine (``KernelBuilder.repeat``).
+                    ci0, step0, per = ci, step, plan.slots
+                    kb.repeat(run // per, lambda i, ci0=ci0, step0=step0, per=per, ec=emit_chunk: [
+                        ec(ci0 + i * per + u, step0 + i * per + u) for u in range(per)])
+                    ci, step = ci + run, step + run
+                    continue
+                emit_chunk(ci, step)
+                ci += 1
                 step += 1
             mxu.signal(acc_done)
             # Epilogue: accumulators -> BF16 in SRAM (plus bias in FP32) -> HBM (or kept).
@@ -650,6 +676,25 @@ def emit_gemm(ctx: EmitCtx, x: TensorRef, w: TensorRef, bias: TensorRef | None =
             else:
                 vpu.signal(r["fin"])
     return outs
+
+
+def _steady_chunks(chunks: list[tuple[int, int]], ci: int, step: int, plan: GemmPlan,
+                   pieces: list[tuple[int, int, Any, int]], kc: int, loops_ok: bool) -> int:
+    """How many chunks from ``ci`` on (the core's ``step``-th) one K loop can take: whole rounds of
+    ``plan.slots`` chunks (so that slots and queues repeat), at least ``LOOP_MIN_ROUNDS`` of them,
+    each chunk full-width and ``kc`` after the previous one, reloading its slot (not one of the
+    first ``slots`` chunks, which the prefetch loads), accumulating (not an item's first), with
+    no x panel piece left to wait for. 0 when there is no such run."""
+    if not loops_ok or ci == 0 or step < plan.slots:
+        return 0
+    k_first = chunks[ci][0]
+    n = 0
+    while ci + n < len(chunks) and chunks[ci + n] == (k_first + n * kc, kc):
+        n += 1
+    if n and any(pc[0] < k_first + n * kc and k_first < pc[0] + pc[1] for pc in pieces):
+        return 0
+    rounds = n // plan.slots
+    return rounds * plan.slots if rounds >= LOOP_MIN_ROUNDS else 0
 
 
 def _exchange_queues(core: Any, x: TensorRef, r0: int, c0: int, rows: int, cols: int,

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
@@ -53,6 +52,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule, lazy_jit
 
 from .attention_engine import (
     _BF16,
@@ -81,6 +81,8 @@ from .attention_ref import (
 from .base import KernelBuild, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
+
+jax = LazyModule("jax")
 
 __all__ = ["DecodeLayout", "build_decode", "decode_layout", "decode_logical_cache", "decode_queries",
            "decode_reference", "decode_tensors", "emit_decode"]
@@ -735,4 +737,4 @@ def decode_reference(inputs, shape, splits) -> np.ndarray:
     return np.asarray(_split_merge_ref(parts)).reshape(bsz * hq, d)
 
 
-_flash_partial_jit = jax.jit(_flash_partial, static_argnames="tiles")
+_flash_partial_jit = lazy_jit(_flash_partial, static_argnames="tiles")

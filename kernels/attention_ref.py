@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
+from jalapeno_emu.lazy import LazyModule, lazy_jit
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 MASK_VALUE = -1e30
 """Additive mask for excluded keys: finite, so a row with every key of a tile masked gives
@@ -70,7 +72,7 @@ def _rope_ref(x, cos, sin, scale: float | None):
     return jnp.concatenate([a, b], axis=-1).astype(jnp.bfloat16).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames="tiles")
+@functools.partial(lazy_jit, static_argnames="tiles")
 def _flash_ref_jit(q, kt, v, valid, tiles, sink):
     return _flash_ref(q, kt, v, valid, tiles, sink)
 

@@ -77,7 +77,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -87,6 +86,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import CoreHandle, EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule
 
 from .attention_ref import yarn_cos_sin
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
@@ -94,6 +94,8 @@ from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .mla import latent_cache_capacity
 from .planning import Budget
 from .registry import register
+
+jnp = LazyModule("jax.numpy")
 
 __all__ = [
     "KV_APPEND",

@@ -97,22 +97,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.functional import inorder_block_matmul
+from jalapeno_emu.emu.unit_math import inorder_block_matmul
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule, lazy_jit
 
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["EMBEDDING", "GEMM", "LOGITS", "GemmPlan", "build_gemm", "emit_gemm", "gemm_reference",
            "inorder_block_matmul", "plan_gemm"]
@@ -133,7 +135,7 @@ FUSED_PREFETCH_QUEUE = 1  # a fused decode GEMV's prefetched chunks (module docs
 
 
 # --- numerics -------------------------------------------------------------------------------
-_inorder_jit = jax.jit(inorder_block_matmul)
+_inorder_jit = lazy_jit(inorder_block_matmul)
 
 
 def gemm_reference(x: Any, w: Any, bias: Any | None) -> np.ndarray:

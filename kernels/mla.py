@@ -111,7 +111,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -120,12 +119,15 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule
 
 from .attention_ref import MASK_VALUE
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit, mxu_macs_per_cycle
 from .registry import register
+
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["MLA_DECODE", "MLA_PREFILL", "emit_mla_decode", "emit_mla_prefill", "latent_cache_capacity",
            "mla_decode_reference", "mla_prefill_reference", "split_ranges", "yarn_softmax_scale"]

@@ -19,19 +19,21 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
-from jalapeno_emu.emu.functional import inorder_block_matmul
+from jalapeno_emu.emu.unit_math import inorder_block_matmul
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, MXTensor
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule, lazy_jit
 
 from .base import TensorSpec
 from .moe_routing import RoutingDims
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 __all__ = [
     "BIAS_PARTS",
@@ -224,11 +226,11 @@ def emit_activation(v: EngineHandle, ones: Tile | None, g_t: Tile, u_t: Tile, a_
 
 
 # --- reference numerics --------------------------------------------------------------------------
-inorder_jit = jax.jit(inorder_block_matmul)
+inorder_jit = lazy_jit(inorder_block_matmul)
 """The matrix unit's BF16 path: per 32-block FP32 sums in order (jitted ``inorder_block_matmul``)."""
 
 
-@functools.partial(jax.jit, static_argnames=("activation",))
+@functools.partial(lazy_jit, static_argnames=("activation",))
 def activation_reference(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
     """The expert activation in FP32, the vector unit's operations in its order."""
     if activation == "swiglu_oai":

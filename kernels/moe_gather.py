@@ -57,8 +57,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu import mx
@@ -67,6 +65,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import MXTensor
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
+from jalapeno_emu.lazy import LazyModule
 
 from .base import TensorSpec
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch
@@ -100,6 +99,9 @@ from .moe_routing import (
     routing_dims,
 )
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["GatherItem", "GatherPlan", "emit_gather", "gather_reference", "gather_tensors", "plan_gather"]
 

@@ -42,13 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.isa.builder import MXTensor
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
+from jalapeno_emu.lazy import LazyModule
 
 from .base import TensorSpec
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch
@@ -83,6 +83,8 @@ from .moe_routing import (
     routing_dims,
 )
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner
+
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["PanelPlan", "emit_panel", "panel_reference", "panel_tensors", "plan_panel"]
 

@@ -52,15 +52,17 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jalapeno_emu.emu.functional import sequential_row_sum
+from jalapeno_emu.emu.unit_math import sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle
 from jalapeno_emu.isa.program import Tile
+from jalapeno_emu.lazy import LazyModule, lazy_jit
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
+lax = LazyModule("jax.lax")
 
 __all__ = ["GATE_EPS", "RoutingDims", "check_routing_keys", "emit_gating", "emit_route_constants",
            "emit_routing", "fill_constant", "fill_ids", "flat_rows", "group_reference", "route_reference",
@@ -140,7 +142,7 @@ def route_reference(logits: jax.Array, inputs: dict[str, Any], rd: RoutingDims,
     return np.asarray(ids, np.int32), np.asarray(w, np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("rd", "routed_scaling_factor"))
+@functools.partial(lazy_jit, static_argnames=("rd", "routed_scaling_factor"))
 def _route_jit(logits: jax.Array, bias: jax.Array, rd: RoutingDims,
                routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
     k = rd.k

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.errors import InvalidArgumentError
+from jalapeno_emu.lazy import LazyModule
 
 from .moe_base import (
     BIAS_PARTS,
@@ -31,6 +30,9 @@ from .moe_base import (
 from .moe_pack import router_logical, unpack_expert_biases, unpack_experts
 from .moe_routing import group_reference, route_reference
 from .moe_slots import MoePlan
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["slots_reference"]
 

@@ -16,20 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
-from jalapeno_emu.emu.functional import sequential_row_sum
+from jalapeno_emu.emu.unit_math import sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.lazy import LazyModule
 
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
+
+jax = LazyModule("jax")
+jnp = LazyModule("jax.numpy")
 
 __all__ = ["RMSNORM", "VECTOR_PASSES", "emit_rmsnorm", "rmsnorm_reference"]
 

@@ -30,6 +30,7 @@ from jax import lax
 from jalapeno_emu.emu.compile_cache import ensure_default_compile_cache
 from jalapeno_emu.emu.progress import ProgressFn, report_interval, resolve_progress
 from jalapeno_emu.emu.schedule import link_key, sequential_order
+from jalapeno_emu.emu.unit_math import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import DTYPES, Space
@@ -312,44 +313,6 @@ def _dequant(q: MXArray) -> jax.Array:
     from jalapeno_emu.mx.quantize import _dequantize_jit
 
     return _dequantize_jit(q, "float32")
-
-
-def inorder_block_matmul(a: jax.Array, b: jax.Array, acc0: jax.Array | None = None) -> jax.Array:
-    """The matrix unit's product when an operand is BF16: float32[M, N].
-
-    Args:
-        a: float32[M, K] values (K % 32 == 0), b: float32[K, N] values (dequantised if MX).
-        acc0: float32[M, N] accumulators to start from (+0 when None).
-
-    Each product of a BF16 value and an MX or BF16 value is exact in FP32 (at most 8 x 8
-    significant bits) barring over- or underflow; each 32-element K block is summed in FP32 in
-    increasing k, and the block sums are added to the accumulator in increasing block order.
-    Kernels' pure-JAX references call this too, so the semantics live in one place.
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    a_blocks = a.reshape(m, k // 32, 32).transpose(1, 2, 0)  # [nb, 32, M]
-    b_blocks = b.reshape(k // 32, 32, n)  # [nb, 32, N]
-
-    def block(acc, ab):
-        a_j, b_j = ab
-
-        def step(s, kk):
-            return s + a_j[kk][:, None] * b_j[kk][None, :], None
-
-        blk, _ = lax.scan(step, jnp.zeros((m, n), jnp.float32), jnp.arange(32))
-        return acc + blk, None
-
-    start = jnp.zeros((m, n), jnp.float32) if acc0 is None else acc0
-    acc, _ = lax.scan(block, start, (a_blocks, b_blocks))
-    return acc
-
-
-def sequential_row_sum(x: jax.Array) -> jax.Array:
-    """float32[R, 1] row sums of float32[R, C], accumulated in increasing column order (the
-    vector unit's ``vec.reduce sum``; references that must match it bit for bit call this)."""
-    s, _ = lax.scan(lambda acc, col: (acc + col, None), jnp.zeros((x.shape[0],), jnp.float32), x.T)
-    return s[:, None]
 
 
 _UNARY: dict[str, Callable[[jax.Array], jax.Array]] = {

@@ -24,3 +24,29 @@ def test_the_lazy_names_still_resolve():
                             "assert emu.run_functional.__name__ == 'run_functional'\n"
                             "assert 'Timeline' in dir(emu)")
     assert "jax" in loaded
+
+
+def test_timing_a_layer_on_the_kernels_loads_no_jax():
+    # The kernels' references and input generators need JAX; building and timing their programs
+    # (model, layer, serve, sweep and their worker processes) must not pay its import.
+    loaded = _modules_after(
+        "from jalapeno_emu.chip import load_preset\n"
+        "from jalapeno_emu.model import Step, load_model_config\n"
+        "from jalapeno_emu.model.timing import time_layer\n"
+        "import jalapeno_emu.kernels as k; k.all_kernels()\n"
+        "t = time_layer(load_model_config('tiny-gpt-oss'), 0, Step('decode', 2, context=64), "
+        "load_preset('jalapeno-v1'), fusion='step')\n"
+        "assert t.time_s > 0")
+    assert "jax" not in loaded
+
+
+def test_mx_formats_load_without_jax_and_the_rest_on_first_use():
+    loaded = _modules_after("import jalapeno_emu.mx as mx\n"
+                            "assert mx.element_format('fp4').bits == 4\n"
+                            "assert 'quantize' in dir(mx)")
+    assert "jax" not in loaded
+    # a submodule loaded first must not take the place of the function of its name
+    loaded = _modules_after("import jalapeno_emu.mx.quantize, jalapeno_emu.mx.matmul\n"
+                            "import jalapeno_emu.mx as mx\n"
+                            "assert callable(mx.quantize) and callable(mx.matmul)")
+    assert "jax" in loaded

@@ -212,6 +212,7 @@ def fused_model_timing(cfg: ModelConfig, step: Step, spec: ChipSpec, fusion: str
                                name=f"{cfg.name}_{step.phase}_L{n - 2}-{n - 1}")
             t2 = run_timing(last.program, spec)
             _, _, tail = _stretches(cfg, last, t2, range(n - 2, n), spec, with_tail=True)
+            del last, t1, t2  # freed now, not walked by the collector's first pass after the pause
         steady = {keys[j]: per_first[j] for j in range(w - period, w)}
         per_layer = dict(per_first)
         for i in range(w, n):

@@ -52,6 +52,25 @@ An MX matmul names its scale tiles (and its mode) as keywords; the statement sta
 sram[0]:0x400:fp4[64,64], a_scale=sram[0]:0x800:e8m0[32,2], b_scale=sram[0]:0x880:e8m0[2,64],
 mode=overwrite``. ``examples/asm/tile_matmul.jasm`` is a whole kernel.
 
+Loops: ``.loop COUNT`` ... ``.endloop`` around instructions of one engine issues them COUNT
+times in a row (a ``Loop`` item of the Program: the program does not grow with COUNT). An operand
+written ``OPERAND +=STEP`` changes by STEP from one iteration to the next (STEP may be negative:
+``+=-64``): a tile's offset, by bytes, or an integer (an ``imm``, a semaphore id, a ``sem.wait``
+value); the rest is the same in every iteration. A double-buffered stream, for example::
+
+    .loop 64
+    c0.dma0: sem.wait freed, 1 +=1
+    c0.dma0: dma.load sram[0]:0x0:bf16[8,128], hbm:0x4000:bf16[8,128] +=2048
+    c0.dma0: sem.signal loaded
+    .endloop
+
+Loops do not nest, and other engines' instructions go in loops of their own (engines order
+themselves by semaphores, not by position in the file). Iterations 0, 1 and COUNT-1 are checked
+like any instruction, which covers every iteration since operands are affine in it; an error
+names the iteration. ``disassemble`` writes a program's loops back this way. The checker, the
+functional pass and the timing pass see a loop as its iterations written out (for timing,
+instruction by instruction the same result).
+
 Names (kernel, preset, allocations, semaphores) are ``[A-Za-z_][A-Za-z0-9_.-]*`` or a double-quoted
 JSON string. ``.init NAME KIND DTYPE [SEED]`` fills the HBM allocation NAME before a run: KIND is
 the fill (zeros, ones, or a standard normal seeded by SEED, default 0) and DTYPE the element type
@@ -74,7 +93,7 @@ from pathlib import PurePath
 from typing import Any
 
 from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction
-from jalapeno_emu.isa.program import Allocation, HbmInit, Instruction, Program, Tile, parse_engine
+from jalapeno_emu.isa.program import Allocation, HbmInit, Instruction, Loop, Program, Tile, parse_engine
 
 from .legality import check_engine, check_instruction, operand_values
 from .table import DTYPES, TABLE, InstrSpec, OperandSpec, Space, by_mnemonic
@@ -85,6 +104,8 @@ INIT_KINDS = ("zeros", "ones", "normal")
 """``.init`` kinds (``HbmInit.kind``)."""
 
 _DIRECTIVES = (".kernel", ".preset", ".alloc", ".sem", ".init")
+_LOOP_MARKS = (".loop", ".endloop")  # statements, in order with the instructions
+_STEP_RE = re.compile(r"\s\+=\s*(?P<step>[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+))$")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 _INT_RE = re.compile(r"[+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)")
 _TOKEN_RE = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s"]+')
@@ -346,7 +367,7 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
         code = _strip_comment(raw).rstrip()
         if not code.strip():
             continue
-        if code.lstrip().startswith("."):
+        if code.lstrip().startswith(".") and code.split()[0] not in _LOOP_MARKS:
             directives.append((lineno, _tokens(code)))
         else:
             statements.append((lineno, code))
@@ -424,11 +445,10 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
                             hint=f"the first is on line {seen_inits[init.name]}")
         seen_inits[init.name] = lineno
 
-    instructions = [_instruction(asm, lineno, code, sem_names, index)
-                    for index, (lineno, code) in enumerate(statements)]
+    items = _items(asm, statements, sem_names)
     return Program(
         name if name is not None else _default_name(source),
-        tuple(instructions),
+        tuple(items),
         tuple(allocations),
         preset if preset is not None else "tiny",
         tuple(sems),
@@ -436,9 +456,84 @@ def assemble(text: str, *, source: str = "<asm>") -> Program:
     )
 
 
+def _items(asm: _Asm, statements: list[tuple[int, str]], sems: Mapping[str, int | None]
+           ) -> list[Instruction | Loop]:
+    """The program's items: instructions, and a Loop for each ``.loop N`` ... ``.endloop`` block."""
+    items: list[Instruction | Loop] = []
+    loop: tuple[int, int, int] | None = None  # (line, column of the count, count) of an open .loop
+    body: list[tuple[int, Instruction, tuple[tuple[str, int], ...], dict[str, int]]] = []
+    index = 0  # instruction index of the next statement, loops unrolled (for messages)
+    for lineno, code in statements:
+        toks = _tokens(code)
+        head = toks[0]
+        if head.text == ".loop":
+            if loop is not None:
+                raise asm.error("a .loop inside a .loop", lineno, head.col,
+                                hint=f"the loop opened on line {loop[0]} ends with .endloop first; "
+                                "loops do not nest")
+            if len(toks) != 2:
+                raise asm.error(f".loop takes COUNT; got {len(toks) - 1} fields", lineno, head.col)
+            count = asm.integer(toks[1], lineno, "loop count", field="u32")
+            if count < 1:
+                raise asm.error(f"loop count {count} must be at least 1", lineno, toks[1].col)
+            loop, body = (lineno, toks[1].col, count), []
+            continue
+        if head.text == ".endloop":
+            if loop is None:
+                raise asm.error(".endloop without a .loop", lineno, head.col)
+            if len(toks) != 1:
+                raise asm.error(".endloop takes no fields", lineno, toks[1].col)
+            if not body:
+                raise asm.error("empty loop: no instruction between .loop and .endloop", lineno, head.col)
+            items.append(_loop(asm, loop, body, index))
+            index += loop[2] * len(body)
+            loop = None
+            continue
+        ins, steps, step_cols = _instruction(asm, lineno, code, sems, index, in_loop=loop is not None)
+        if loop is None:
+            items.append(ins)
+            index += 1
+        else:
+            if body and ins.engine != body[0][1].engine:
+                raise asm.error(f"a loop runs on one engine: this line is for {ins.engine}, the loop's "
+                                f"first line (line {body[0][0]}) for {body[0][1].engine}", lineno,
+                                len(code) - len(code.lstrip()) + 1,
+                                hint="write one loop per engine; engines order themselves by semaphores")
+            body.append((lineno, ins, steps, step_cols))
+    if loop is not None:
+        raise asm.error(f".loop {loop[2]} on line {loop[0]} has no .endloop", loop[0], loop[1])
+    return items
+
+
+def _loop(asm: _Asm, loop: tuple[int, int, int], body: list, index: int) -> Loop:
+    """The Loop of a ``.loop`` block, its iterations 1 and COUNT-1 checked as instructions too
+    (operands are affine in the iteration: a bound that holds at both ends holds between, an
+    alignment that holds for two consecutive iterations holds for all)."""
+    line, col, count = loop
+    try:
+        made = Loop(body[0][1].engine, tuple(ins for _, ins, _, _ in body), count,
+                    tuple(steps for _, _, steps, _ in body))
+    except IllegalInstruction as exc:
+        raise asm.error(getattr(exc, "reason", exc.message), line, col, hint=exc.hint) from None
+    for i in sorted({1, count - 1} - {0}):
+        for k, ins in enumerate(made.iteration(i)):
+            lineno, _, _, step_cols = body[k]
+            try:
+                check_instruction(ins, index=index + i * len(body) + k)
+            except IllegalInstruction as exc:
+                op = getattr(exc, "operand", None) or ""
+                message = f"in iteration {i} of the loop: {getattr(exc, 'reason', exc.message)}"
+                if exc.addresses:
+                    message += f" [{', '.join(exc.addresses)}]"
+                raise asm.error(message, lineno, step_cols.get(op, 1), hint=exc.hint) from None
+    return made
+
+
 def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | None],
-                 index: int) -> Instruction:
-    """Parse and check one ``ENGINE: MNEMONIC OPERANDS`` line."""
+                 index: int, *, in_loop: bool = False
+                 ) -> tuple[Instruction, tuple[tuple[str, int], ...], dict[str, int]]:
+    """Parse and check one ``ENGINE: MNEMONIC OPERANDS`` line: the instruction, the steps of its
+    operands written ``OPERAND +=STEP`` (only in a loop) and the column of each stepped operand."""
     indent = len(code) - len(code.lstrip())
     m = _ENGINE_RE.match(code)
     if not m:
@@ -483,7 +578,22 @@ def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | Non
     cols: dict[str, int] = {}
     n_positional = 0
     seen_keyword = False
-    for tok in pieces:
+    steps: list[tuple[str, int]] = []
+    step_of: dict[int, tuple[int, int]] = {}  # piece -> (step, its column)
+    for k, tok in enumerate(pieces):
+        sm = _STEP_RE.search(tok.text)
+        if sm is None:
+            continue
+        if not in_loop:
+            raise asm.error("an operand step (+=) outside a loop", lineno, tok.col + sm.start() + 1,
+                            hint="steps say how an operand changes from one iteration of a "
+                            ".loop to the next")
+        step_tok = _Tok(sm.group("step"), tok.col + sm.start("step"))
+        step_of[k] = (asm.integer(step_tok, lineno, "operand step", signed=True, field="i64"),
+                      tok.col + sm.start() + 1)
+        pieces[k] = _Tok(tok.text[:sm.start()].rstrip(), tok.col)
+    step_cols: dict[str, int] = {}
+    for k, tok in enumerate(pieces):
         kw = _KEYWORD_RE.match(tok.text)
         if kw:
             seen_keyword = True
@@ -512,6 +622,14 @@ def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | Non
             raise asm.error(f"{mnemonic} operand {op.name} is given twice", lineno, tok.col)
         values[op.name] = asm.value(op, spec, value_tok, lineno, sems)
         cols[op.name] = tok.col
+        if k in step_of:
+            step, step_col = step_of[k]
+            if op.kind not in ("tile", "imm", "sem"):
+                raise asm.error(f"{mnemonic} operand {op.name} is {op.kind}; only tiles (their offset) "
+                                "and integers step in a loop", lineno, step_col)
+            if step:
+                steps.append((op.name, step))
+                step_cols[op.name] = step_col
     missing = [op.name for op in spec.operands if not op.optional and op.name not in values]
     if missing:
         plural = "s" if len(missing) > 1 else ""
@@ -530,7 +648,8 @@ def _instruction(asm: _Asm, lineno: int, code: str, sems: Mapping[str, int | Non
         if exc.addresses:
             message += f" [{', '.join(exc.addresses)}]"
         raise asm.error(message, lineno, col, hint=exc.hint) from None
-    return ins
+    order = [op.name for op in spec.operands]
+    return ins, tuple(sorted(steps, key=lambda st: order.index(st[0]))), step_cols
 
 
 def _unit_example(spec: InstrSpec | None) -> str:
@@ -572,7 +691,7 @@ def _value(op: OperandSpec, value: Any, sem_names: Mapping[int, str]) -> str:
 
 
 def format_instruction(ins: Instruction, *, sem_names: Mapping[int, str] | None = None,
-                       width: int = 0) -> str:
+                       width: int = 0, steps: Mapping[str, int] | None = None) -> str:
     """One instruction as an assembly line (no comment), e.g. ``c0.mxu: sem.signal 3``.
 
     Required operands are positional; optional ones are ``name=value`` and left out when equal
@@ -582,6 +701,8 @@ def format_instruction(ins: Instruction, *, sem_names: Mapping[int, str] | None 
         ins: the instruction (need not be canonical).
         sem_names: semaphore ids to print by name (only names that assemble back unambiguously).
         width: pad ``ENGINE:`` to this many characters, to line mnemonics up.
+        steps: a loop body instruction's operand steps, written ``OPERAND +=STEP`` (a stepped
+            semaphore is written by id: the name is the first iteration's only).
 
     Raises:
         IllegalInstruction: the instruction's operands are not of the kinds its row expects.
@@ -589,12 +710,15 @@ def format_instruction(ins: Instruction, *, sem_names: Mapping[int, str] | None 
     spec, values = operand_values(ins, domains=False)
     sem_names = sem_names or {}
     parts = []
+    steps = steps or {}
     for op in spec.operands:
         value = values[op.name]
+        step = steps.get(op.name)
+        tail = f" +={step}" if step else ""
         if not op.optional:
-            parts.append(_value(op, value, sem_names))
-        elif value is not None and value != op.default:
-            parts.append(f"{op.name}={_value(op, value, sem_names)}")
+            parts.append(_value(op, value, {} if step else sem_names) + tail)
+        elif value is not None and (value != op.default or step):
+            parts.append(f"{op.name}={_value(op, value, {} if step else sem_names)}{tail}")
     head = f"{ins.engine}:".ljust(width)
     return f"{head} {spec.mnemonic}" + (f" {', '.join(parts)}" if parts else "")
 
@@ -606,7 +730,10 @@ def disassemble(program: Program) -> str:
     line per instruction, with its ``source`` as a comment when it has one. Builder-made programs
     disassemble too. (Instruction ``source`` strings and ``Program.meta`` do not round-trip.)
     """
-    lines = [f"; {_name(program.name)}: {len(program.instructions)} instructions (jalapeno-emu disassembly)",
+    n_loops = len(program.loops)
+    loops = f" in {len(program.items)} items, {n_loops} of them loops" if n_loops else ""
+    lines = [f"; {_name(program.name)}: {program.n_instructions} instructions{loops} "
+             "(jalapeno-emu disassembly)",
              f".kernel {_name(program.name)}", f".preset {_name(program.preset)}"]
     lines += [f".alloc {_where(a.space, a.core)} {_name(a.name)} {a.offset:#x} {a.nbytes}"
               for a in program.allocations]
@@ -619,10 +746,19 @@ def disassemble(program: Program) -> str:
     for _, name in program.semaphores:
         counts[name] = counts.get(name, 0) + 1
     sem_names = {i: n for i, n in program.semaphores if counts[n] == 1 and _NAME_RE.fullmatch(n)}
-    width = max((len(str(ins.engine)) + 1 for ins in program.instructions), default=0)
-    for ins in program.instructions:
-        text = format_instruction(ins, sem_names=sem_names, width=width)
+    width = max((len(str(item.engine)) + 1 for item in program.items), default=0)
+
+    def line(ins: Instruction, steps: Mapping[str, int] | None = None) -> str:
+        text = format_instruction(ins, sem_names=sem_names, width=width, steps=steps)
         one_line = ins.source and ins.source.splitlines() == [ins.source]
-        lines.append(f"{text}  ; {ins.source}" if one_line else text)
+        return f"{text}  ; {ins.source}" if one_line else text
+
+    for item in program.items:
+        if type(item) is Loop:
+            lines.append(f".loop {item.count}")
+            lines += [line(ins, dict(steps)) for ins, steps in zip(item.body, item.steps, strict=True)]
+            lines.append(".endloop")
+        else:
+            lines.append(line(item))
     return "\n".join(lines) + "\n"
 

@@ -13,14 +13,21 @@ Program:
 
 ```
 magic     4 bytes   b"JEMU"
-version   u16       FORMAT_VERSION (1)
+version   u16       1 for a program without loops, 2 (FORMAT_VERSION) for one with loops
 name      str       kernel name
 preset    str       chip preset
 allocs    u32 n, then n x (name str, space u8, core i32, offset u64, nbytes u64)
 sems      u32 n, then n x (id u32, name str)
 inits     u32 n, then n x (name str, kind str, dtype u8, seed i64)
-instrs    u32 n, then n instructions; nothing may follow
+items     u32 n, then n items; nothing may follow. Version 1: each item is an instruction.
+          Version 2: an instruction, or a loop (``isa.program.Loop``):
+            marker u8 0 (no opcode is 0), count u32, body length u32, then per body
+            instruction: the instruction, steps u8 n, n x (operand index u8 in table
+            order, step i64)
 ```
+
+A program without loops is written as version 1, byte for byte what readers before loops
+wrote and read; the reader takes both versions.
 
 Instruction:
 
@@ -63,15 +70,16 @@ import struct
 from typing import Any
 
 from jalapeno_emu.errors import AssemblyError, EmuError, IllegalInstruction, InvalidArgumentError
-from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Program, Tile
+from jalapeno_emu.isa.program import Allocation, Engine, HbmInit, Instruction, Loop, Program, Tile
 
 from .legality import check_engine, operand_values
-from .table import DTYPES, Space, by_opcode
+from .table import DTYPES, Space, by_mnemonic, by_opcode
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "decode", "decode_program", "encode", "encode_program"]
 
 MAGIC = b"JEMU"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_LOOP_MARKER = 0  # the first byte of a loop item (opcodes start at 1)
 
 # Codes start at 1 so that a run of zero bytes never decodes as something plausible.
 _SPACE_CODES = {Space.HBM: 1, Space.SRAM: 2, Space.ACC: 3}
@@ -148,8 +156,10 @@ def encode_program(program: Program, *, sources: bool = True) -> bytes:
         InvalidArgumentError: a program-level field cannot be represented (unknown init dtype,
             a negative offset...).
     """
+    items = program.items
+    version = FORMAT_VERSION if program.loops else 1
     try:
-        out = [MAGIC, _U16.pack(FORMAT_VERSION), _str(program.name), _str(program.preset)]
+        out = [MAGIC, _U16.pack(version), _str(program.name), _str(program.preset)]
         out.append(_U32.pack(len(program.allocations)))
         for a in program.allocations:
             out += [_str(a.name), _U8.pack(_SPACE_CODES[a.space]), _I32.pack(a.core), _U64.pack(a.offset),
@@ -163,13 +173,28 @@ def encode_program(program: Program, *, sources: bool = True) -> bytes:
     except (struct.error, KeyError, AttributeError, TypeError, UnicodeError) as exc:
         raise InvalidArgumentError(f"program {program.name!r} has a field the binary format cannot hold: "
                                    f"{type(exc).__name__}: {exc}") from None
-    out.append(_U32.pack(len(program.instructions)))
-    for index, ins in enumerate(program.instructions):
+    out.append(_U32.pack(len(items)))
+    index = 0  # instruction index, loops unrolled (what messages and the checker count)
+
+    def one(ins: Instruction, index: int) -> bytes:
         try:
-            out.append(encode(ins if sources or not ins.source else dataclasses.replace(ins, source="")))
+            return encode(ins if sources or not ins.source else dataclasses.replace(ins, source=""))
         except IllegalInstruction as exc:
             raise IllegalInstruction(getattr(exc, "reason", exc.message), index=index, engine=exc.engine,
                                      source=exc.source, hint=exc.hint) from None
+
+    for item in items:
+        if type(item) is not Loop:
+            out.append(one(item, index))
+            index += 1
+            continue
+        out += [_U8.pack(_LOOP_MARKER), _U32.pack(item.count), _U32.pack(len(item.body))]
+        for k, (ins, steps) in enumerate(zip(item.body, item.steps, strict=True)):
+            out.append(one(ins, index + k))
+            names = [op.name for op in by_mnemonic(ins.mnemonic).operands]
+            out.append(_U8.pack(len(steps)))
+            out += [_U8.pack(names.index(name)) + _I64.pack(step) for name, step in steps]
+        index += item.size
     return b"".join(out)
 
 
@@ -328,8 +353,9 @@ def decode_program(data: bytes, *, source: str = "<binary>") -> Program:
         raise r.fail(f"not a jalapeno-emu binary (magic {r.data[:4]!r}, expected {MAGIC!r})", 0, hint=hint)
     r.pos = 4
     version = r.one(_U16, "format version")
-    if version != FORMAT_VERSION:
-        raise r.fail(f"format version {version} is not supported (this reader knows {FORMAT_VERSION})", 4)
+    if version not in (1, FORMAT_VERSION):
+        raise r.fail(f"format version {version} is not supported (this reader knows 1 to {FORMAT_VERSION})",
+                     4)
     name = r.text("kernel name")
     preset = r.text("preset name")
     allocations = []
@@ -349,7 +375,37 @@ def decode_program(data: bytes, *, source: str = "<binary>") -> Program:
         kind = r.text(f"init kind of {i_name!r}")
         dtype = r.dtype(f"init dtype of {i_name!r}")
         inits.append(HbmInit(i_name, kind, dtype, r.one(_I64, f"init seed of {i_name!r}")))
-    instructions = [_read_instruction(r) for _ in range(r.one(_U32, "instruction count"))]
+    items: list[Instruction | Loop] = []
+    for _ in range(r.one(_U32, "item count" if version > 1 else "instruction count")):
+        if version > 1 and r.pos < len(r.data) and r.data[r.pos] == _LOOP_MARKER:
+            items.append(_read_loop(r))
+        else:
+            items.append(_read_instruction(r))
     if r.pos != len(r.data):
         raise r.fail(f"{len(r.data) - r.pos} bytes of trailing garbage after the last instruction")
-    return Program(name, tuple(instructions), tuple(allocations), preset, tuple(sems), tuple(inits))
+    return Program(name, tuple(items), tuple(allocations), preset, tuple(sems), tuple(inits))
+
+
+def _read_loop(r: _Reader) -> Loop:
+    at = r.pos
+    r.pos += 1  # the marker
+    count, n = r.one(_U32, "loop count"), r.one(_U32, "loop body length")
+    if count < 1 or n < 1:
+        raise r.fail(f"a loop of {count} iterations over {n} instructions; both must be at least 1", at + 1)
+    body, steps = [], []
+    for _ in range(n):
+        ins = _read_instruction(r)
+        operands = by_mnemonic(ins.mnemonic).operands
+        mine = []
+        for _ in range(r.one(_U8, f"step count of {ins.mnemonic}")):
+            idx_at = r.pos
+            idx = r.one(_U8, f"stepped operand of {ins.mnemonic}")
+            if idx >= len(operands):
+                raise r.fail(f"{ins.mnemonic} has no operand {idx} to step (0..{len(operands) - 1})", idx_at)
+            mine.append((operands[idx].name, r.one(_I64, f"step of {ins.mnemonic} {operands[idx].name}")))
+        body.append(ins)
+        steps.append(tuple(mine))
+    try:
+        return Loop(body[0].engine, tuple(body), count, tuple(steps))
+    except IllegalInstruction as exc:
+        raise r.fail(f"not a valid loop: {getattr(exc, 'reason', exc.message)}", at) from None

@@ -3,6 +3,8 @@ instructions, and the timing pass prices them from their bodies with the same re
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -11,10 +13,10 @@ from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.costs import ProgramFacts
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
-from jalapeno_emu.errors import IllegalInstruction, InvalidArgumentError, OutOfBounds
+from jalapeno_emu.errors import AssemblyError, IllegalInstruction, InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.asm import assemble, disassemble
 from jalapeno_emu.isa.builder import KernelBuilder, unrolled_loops
-from jalapeno_emu.isa.encoding import decode_program, encode_program
+from jalapeno_emu.isa.encoding import FORMAT_VERSION, decode_program, encode_program
 from jalapeno_emu.isa.program import Engine, Instruction, Loop, Program, Tile
 from jalapeno_emu.isa.table import Space
 from jalapeno_emu.kernels.registry import get_kernel
@@ -132,13 +134,78 @@ def test_a_looped_gemm_kernel_is_its_unrolled_program():
     assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
-def test_assembly_and_binary_carry_a_looped_program_unrolled():
-    looped = _stream_kernel(8)
+def _unsourced(program: Program) -> list:
+    """The items, sources left out (the assembler's are its own lines)."""
+    def strip(ins: Instruction) -> tuple:
+        return (ins.mnemonic, ins.engine, ins.args)
+    return [(item.engine, tuple(map(strip, item.body)), item.count, item.steps) if type(item) is Loop
+            else strip(item) for item in program.items]
 
-    def unsourced(program: Program) -> dict[Engine, list[tuple]]:
-        return {e: [(i.mnemonic, i.args) for i in v] for e, v in _streams(program).items()}
-    assert unsourced(assemble(disassemble(looped))) == unsourced(looped)
-    assert unsourced(decode_program(encode_program(looped))) == unsourced(looped)
+
+def test_assembly_and_binary_carry_loops_as_loops():
+    looped = _stream_kernel(8)
+    text = disassemble(looped)
+    assert text.count(".loop 3") == 3 and text.count(".endloop") == 3 and "+=4096" in text
+    again = assemble(text)
+    assert again.loops and _unsourced(again) == _unsourced(looped)
+    data = encode_program(looped)
+    assert struct.unpack_from("<H", data, 4)[0] == FORMAT_VERSION == 2
+    assert decode_program(data) == looped
+    assert encode_program(assemble(text), sources=False) == encode_program(looped, sources=False)
+    # a program of 3 loops of 3 iterations is smaller than its 24 instructions written out
+    with unrolled_loops():
+        assert len(data) < len(encode_program(_stream_kernel(8)))
+
+
+def test_a_loop_in_assembly_runs_as_written_out():
+    body = ("c0.dma0: dma.load sram[0]:0x0:f32[1,64] +=256, hbm:0x0:f32[1,64] +=256\n"
+            "c0.dma0: sem.signal 0\n")
+    head = ".alloc hbm x 0x0 4096\n.alloc sram[0] buf 0x0 4096\n"
+    looped = assemble(head + ".loop 16\n" + body + ".endloop\nc0.vpu: sem.wait 0, 16\n")
+    plain = assemble(head + "".join(body.replace("+=256", "").replace("0x0:f32", f"{256 * i:#x}:f32")
+                                    for i in range(16)) + "c0.vpu: sem.wait 0, 16\n")
+    def ops(program: Program) -> list:
+        return [(i.mnemonic, i.args) for i in program.instructions]
+    assert ops(looped) == ops(plain)
+    spec = load_preset("tiny")
+    assert run_timing(looped, spec).summary() == run_timing(plain, spec).summary()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (".loop 2\nc0.dma0: sem.signal 0\n", "has no .endloop"),
+    (".endloop\n", ".endloop without a .loop"),
+    (".loop 2\n.loop 2\n", "a .loop inside a .loop"),
+    (".loop 2\n.endloop\n", "empty loop"),
+    (".loop 0\nc0.dma0: sem.signal 0\n.endloop\n", "loop count 0 must be at least 1"),
+    (".loop 2\nc0.dma0: sem.signal 0\nc0.vpu: sem.signal 1\n.endloop\n", "a loop runs on one engine"),
+    ("c0.vpu: sem.wait 0, 1 +=1\n", r"operand step \(\+=\) outside a loop"),
+    (".loop 2\nc0.vpu: vec.clamp sram[0]:0x0:f32[1,64], sram[0]:0x0:f32[1,64], 0.0 +=1, 1.0\n.endloop\n",
+     "only tiles .* and integers step"),
+    (".loop 4\nc0.vpu: sem.wait 0, 3 +=-1\n.endloop\n",
+     r"tiny.jasm:2:.*iteration 3 of the loop: .*value >= 1"),
+    (".loop 5\nc0.vpu: sem.wait 0, 3 +=-1\n.endloop\n", "would take operand 'value' to -1"),
+])
+def test_malformed_loops_in_assembly_name_their_line(text, message):
+    with pytest.raises(AssemblyError, match=message):
+        assemble(text, source="tiny.jasm")
+
+
+def test_a_malformed_loop_in_a_binary_names_its_byte():
+    program = assemble(".loop 2\nc0.dma0: sem.signal 0 +=1\n.endloop\n")
+    data = bytearray(encode_program(program))
+    at = len(encode_program(Program(program.name, (), preset=program.preset)))  # the loop's marker
+    assert data[at] == 0 and struct.unpack_from("<I", data, at + 1)[0] == 2
+    data[at + 1:at + 5] = struct.pack("<I", 0)
+    with pytest.raises(AssemblyError, match="a loop of 0 iterations") as exc:
+        decode_program(bytes(data))
+    assert exc.value.offset == at + 1
+    data[at + 1:at + 5] = struct.pack("<I", 2)
+    assert decode_program(bytes(data)).items == program.items
+    assert struct.unpack_from("<Bq", data, len(data) - 9) == (0, 1)  # operand 0 (sem) steps by 1
+    data[-9] = 7  # sem.signal has two operands
+    with pytest.raises(AssemblyError, match="has no operand 7 to step") as exc:
+        decode_program(bytes(data))
+    assert exc.value.offset == len(data) - 9
 
 
 def test_a_body_that_branches_on_the_index_is_refused():
@@ -215,3 +282,22 @@ def test_loop_records_are_validated():
     assert [i.arg("value") for i in loop.expand()] == [4, 6, 8]
     program = Program("p", (sig, loop))
     assert program.n_instructions == 4 and len(program.instructions) == 4 and program.loops == (loop,)
+
+
+def test_the_looped_assembly_example_computes_exp_and_times_as_written_out():
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "asm" / "stream_loop.jasm"
+    program = assemble(path.read_text(), source=path.name)
+    assert len(program.loops) == 3 and program.n_instructions == 636
+    plain = Program(program.name, program.instructions, program.allocations, program.preset,
+                    program.semaphores, program.inits)
+    spec = load_preset("tiny")
+    check_program(program, spec)
+    assert run_timing(program, spec).summary() == run_timing(plain, spec).summary()
+    result = run_functional(program)
+    x = np.frombuffer(result.read_bytes("x"), np.float32)
+    y = np.frombuffer(result.read_bytes("y"), np.float32)
+    np.testing.assert_allclose(y, np.exp(x), rtol=1e-6)
+    assert np.array_equal(y.view(np.uint32),
+                          np.frombuffer(run_functional(plain).read_bytes("y"), np.uint32))

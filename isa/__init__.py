@@ -8,7 +8,7 @@ Exported: the table (``TABLE``, ``by_mnemonic``), the legality checker (``check_
 ``check_program`` is its deprecated old name), the binary encoding, the assembler/disassembler and
 the generated reference (``isa/README.md``).
 
-The program representation (``Instruction``, ``Program``, ``Tile``: ``program.py``) lives here,
+The program representation (``Instruction``, ``Loop``, ``Program``, ``Tile``: ``program.py``) lives here,
 below the emulator, which reads it; the ISA never imports the emulator. The modules that handle
 programs load on first use, so that importing the table stays cheap.
 """
@@ -22,16 +22,21 @@ from .table import TABLE, by_mnemonic
 
 if TYPE_CHECKING:  # the names below, for type checkers and IDEs; at run time see _LAZY
     from .asm import assemble, disassemble
-    from .builder import KernelBuilder, MXTensor, Semaphore
+    from .builder import KernelBuilder, MXTensor, Semaphore, unrolled_loops
     from .encoding import decode, decode_program, encode, encode_program
     from .legality import check_instruction, check_legality, check_program
+    from .program import Instruction, Loop, Program, Tile
     from .reference import reference_markdown
 
 __all__ = [
     "TABLE",
+    "Instruction",
     "KernelBuilder",
+    "Loop",
     "MXTensor",
+    "Program",
     "Semaphore",
+    "Tile",
     "assemble",
     "by_mnemonic",
     "check_instruction",
@@ -43,6 +48,7 @@ __all__ = [
     "encode",
     "encode_program",
     "reference_markdown",
+    "unrolled_loops",
 ]
 
 # Name -> submodule, imported on first attribute access (PEP 562).
@@ -58,6 +64,11 @@ _LAZY = {
     "check_program": "legality",  # deprecated: check_legality (it warns when called)
     "reference_markdown": "reference",
     "KernelBuilder": "builder",
+    "unrolled_loops": "builder",
+    "Instruction": "program",
+    "Loop": "program",
+    "Program": "program",
+    "Tile": "program",
     "MXTensor": "builder",
     "Semaphore": "builder",
 }

@@ -165,10 +165,28 @@ class LaunchTimer:
         """Wall seconds spent building and timing them."""
         self._file: Path | None = None
         self._disk: dict[str, LaunchTime] = {}
+        self._disk_read_bytes = 0  # how much of the file _disk holds (whole lines)
         if disk_cache:
             directory = cache_root() if disk_cache is True else Path(disk_cache)
             self._file = directory / f"timings-{_spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
-            self._disk = _read_cache(self._file)
+            self._disk_read_bytes = _read_cache(self._file, self._disk)
+
+    def _from_disk(self, key: str) -> LaunchTime | None:
+        """The figures of ``key`` in the disk cache, reading first what other processes appended
+        since the last read: a sweep's workers then build a program once between them, not once
+        each (a miss costs one ``stat``)."""
+        if self._file is None:
+            return None
+        hit = self._disk.get(key)
+        if hit is None:
+            try:
+                grown = self._file.stat().st_size > self._disk_read_bytes
+            except OSError:
+                grown = False
+            if grown:
+                self._disk_read_bytes = _read_cache(self._file, self._disk, self._disk_read_bytes)
+                hit = self._disk.get(key)
+        return hit
 
     @property
     def distinct_launches(self) -> int:
@@ -188,7 +206,7 @@ class LaunchTimer:
         key = (launch.kernel, launch.shape)
         hit = self._times.get(key)
         if hit is None:
-            hit = self._disk.get(_key(launch)) if self._disk else None
+            hit = self._from_disk(_key(launch))
             if hit is None:
                 hit = self._measure(launch, split)
             self._times[key] = hit
@@ -208,7 +226,7 @@ class LaunchTimer:
             disk_key = json.dumps(["part", cfg.attention, repr(step),
                                    [[la.label, la.kernel, [list(kv) for kv in la.shape]] for la in launches]],
                                   separators=(",", ":"))
-            hit = self._disk.get(disk_key) if self._disk else None
+            hit = self._from_disk(disk_key)
             if hit is None:
                 from jalapeno_emu.model.fused import build_part
 
@@ -344,26 +362,30 @@ def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> di
     return summary
 
 
-def _read_cache(path: Path) -> dict[str, LaunchTime]:
-    out: dict[str, LaunchTime] = {}
+def _read_cache(path: Path, out: dict[str, LaunchTime], start: int = 0) -> int:
+    """Add the entries of the cache file from byte ``start`` on to ``out``; returns the byte just
+    past the last whole line read (a line still being written is read next time)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    d = json.loads(line)
-                    out[d["key"]] = LaunchTime(
-                        float(d["time_s"]),
-                        float(d["hbm_bytes"]),
-                        float(d["flops"]),
-                        str(d["bound"]),
-                        int(d["instructions"]),
-                        int(d["pieces"]),
-                    )
-                except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line from an interrupted writer
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            data = fh.read()
     except OSError:
-        pass
-    return out
+        return start
+    whole = data.rfind(b"\n") + 1
+    for raw in data[:whole].splitlines():
+        try:
+            d = json.loads(raw)
+            out[d["key"]] = LaunchTime(
+                float(d["time_s"]),
+                float(d["hbm_bytes"]),
+                float(d["flops"]),
+                str(d["bound"]),
+                int(d["instructions"]),
+                int(d["pieces"]),
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # a line torn by an interrupted writer
+    return start + whole
 
 
 _SHARED: dict[tuple[str, str, bool], LaunchTimer] = {}

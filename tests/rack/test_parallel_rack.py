@@ -6,6 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from jalapeno_emu.kernels.registry import get_kernel
+from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.parallel import LocalPool
 from jalapeno_emu.rack import launch_timer, search
 from jalapeno_emu.rack.deployment import compare_presets, sweep_mappings
@@ -122,6 +124,27 @@ def test_the_disk_cache_keeps_every_line_of_concurrent_writers(tmp_path):
     for t in threads:
         t.join()
     (path,) = tmp_path.glob("timings-*.jsonl")
-    back = launch_timer._read_cache(path)
+    back: dict = {}
+    assert launch_timer._read_cache(path, back) == path.stat().st_size
     assert len(back) == 200
     assert back[f"3-7-{pad}"] == LaunchTime(7e-6, 2.0, 3.0, "hbm", 3)
+
+
+def test_a_timer_sees_what_other_processes_wrote_since_it_started(tmp_path):
+    """A sweep's workers share their figures through the file as they go: a miss reads what the
+    others appended before building (each program is built once between them)."""
+    first, second = LaunchTimer("tiny", disk_cache=tmp_path), LaunchTimer("tiny", disk_cache=tmp_path)
+    assert second._from_disk("k1") is None
+    first._write_line("k1", LaunchTime(1e-6, 2.0, 3.0, "hbm", 4))
+    assert second._from_disk("k1") == LaunchTime(1e-6, 2.0, 3.0, "hbm", 4)
+    (path,) = tmp_path.glob("timings-*.jsonl")
+    with open(path, "ab") as fh:  # a line still being written: read once it is whole
+        fh.write(b'{"key":"k2","time_s":1e-6,"hbm_bytes":2')
+    assert second._from_disk("k2") is None
+    with open(path, "ab") as fh:
+        fh.write(b',"flops":3,"bound":"hbm","instructions":5,"pieces":1}\n')
+    assert second._from_disk("k2") == LaunchTime(1e-6, 2.0, 3.0, "hbm", 5, 1)
+    shape = get_kernel("gemm").shape({"m": 8, "n": 64, "k": 64})
+    launch = Launch("ffn", "gemm", tuple(sorted(shape.items())))
+    built = first.time(launch)
+    assert first.builds == 1 and second.time(launch) == built and second.builds == 0

@@ -264,9 +264,13 @@ class _Graph:
                 if value is None:
                     inputs[ts.name] = self.external(f"{op}.{ts.name}", ts.shape, ts.dtype)
                     continue
-                if src[3]:
+                rows = ts.shape[0]
+                if src[3] or rows < self.step.tokens:
+                    # a column range of the producer (q, k, v of a QKV projection), or the first
+                    # rows of it where the consumer takes fewer tokens: a mapping's shared expert
+                    # runs on the chip's own t/tp tokens of the t its norm produced
                     view = f"{op}:{ts.name}"
-                    self.comp.view(view, value, 0, src[2], self.step.tokens, src[3])
+                    self.comp.view(view, value, 0, src[2], rows, src[3] or ts.shape[1])
                     value = view
                 inputs[ts.name] = value
             outputs = {ts.name: ts.name for ts in specs if ts.role in ("output", "inout")}

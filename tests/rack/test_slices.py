@@ -9,6 +9,7 @@ from jalapeno_emu.rack.launch_timer import LaunchTimer
 from jalapeno_emu.rack.mapping import Mapping
 from jalapeno_emu.rack.routing import ExpertLoad, parse_routing
 from jalapeno_emu.rack.slices import (
+    DENSE_PART_CONTEXT,
     chip_config,
     chip_layer_launches,
     layer_collectives,
@@ -110,3 +111,19 @@ def test_skewed_routing_loads_the_busiest_chip_and_its_links(tiny):
     b = layer_collectives(tiny, v1, m, 0, 64, 256, skewed)
     assert b["moe_combine"].time_s > a["moe_combine"].time_s
     assert b["moe_dispatch"].busiest_chip_bytes > a["moe_dispatch"].busiest_chip_bytes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "jalapeno-v1"])
+def test_a_token_part_feeds_the_shared_expert_the_chips_own_tokens(preset):
+    """Under tp, a MoE layer's shared expert runs on the chip's t/tp home tokens while its norm
+    produces all t: the fused part must hand it t/tp rows. It handed it all t, and the program
+    was illegal (every DeepSeek-R1 sweep on jalapeno-v1 stopped there)."""
+    cfg = load_model_config("tiny-deepseek")
+    layer = next(i for i in range(cfg.layers) if cfg.is_moe(i))
+    mapping = Mapping(tp=2)
+    launches = token_launches(cfg, mapping, layer, 2)
+    tokens = {la.label: la.shape_dict.get("tokens") for la in launches}
+    assert tokens["ffn_norm"] == 2 and tokens["shared_ffn"] == 1
+    fig = LaunchTimer(preset).time_part(chip_config(cfg, mapping), layer,
+                                        Step("decode", batch=2, context=DENSE_PART_CONTEXT), launches)
+    assert fig.time_s > 0 and fig.flops > 0

@@ -229,6 +229,16 @@ def emit_moe(ctx: EmitCtx, shape: dict[str, Any], tensors: dict[str, TensorRef],
     if missing:  # re-planned within a smaller budget into another program, with HBM tensors of its own
         raise DoesNotFit(f"moe: the {type(p).__name__} program that fits needs HBM tensors "
                          f"{', '.join(missing)} this operator was not given")
+    # Re-planned into the same program with another split, its scratch tables can outgrow the ones
+    # sized for the stand-alone plan (the gather program's shared partials: one table per
+    # intermediate range).
+    short = [f"{ts.name} [{ts.shape[0]}, {ts.shape[1]}] (given [{tensors[ts.name].shape[0]}, "
+             f"{tensors[ts.name].shape[1]}])" for ts in _tensors(p, shape)
+             if ts.role == "scratch" and (tensors[ts.name].shape[0] < ts.shape[0]
+                                          or tensors[ts.name].shape[1] != ts.shape[1])]
+    if short:
+        raise DoesNotFit(f"moe: the {type(p).__name__} program that fits this budget needs larger "
+                         f"scratch tables than this operator was given: {', '.join(short)}")
     if isinstance(p, GatherPlan):
         return emit_gather(ctx, p, shape, tensors, outs)
     if isinstance(p, PanelPlan):

@@ -127,3 +127,20 @@ def test_a_token_part_feeds_the_shared_expert_the_chips_own_tokens(preset):
     fig = LaunchTimer(preset).time_part(chip_config(cfg, mapping), layer,
                                         Step("decode", batch=2, context=DENSE_PART_CONTEXT), launches)
     assert fig.time_s > 0 and fig.flops > 0
+
+
+def test_a_fused_moe_replanned_beyond_its_scratch_tables_falls_back_to_launches():
+    """Timing only, full size. DeepSeek-R1's dense FFN on a tp=4 chip, 1024 tokens: fused after
+    its norm, the gather program re-plans into more intermediate ranges than the shared-partial
+    table sized for the stand-alone plan holds. It wrote past the table (an illegal sub-tile that
+    stopped the sweep); it now refuses with DoesNotFit, and the step model times the part as
+    launches."""
+    from jalapeno_emu.kernels.planning import DoesNotFit
+
+    cfg = load_model_config("deepseek-r1")
+    mapping = Mapping(tp=4)
+    launches = token_launches(cfg, mapping, 0, 1024)
+    timer = LaunchTimer("jalapeno-v1")
+    with pytest.raises(DoesNotFit, match="shared_out"):
+        timer.time_part(chip_config(cfg, mapping), 0, Step("decode", batch=1024, context=DENSE_PART_CONTEXT),
+                        launches)

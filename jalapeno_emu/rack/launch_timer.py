@@ -19,8 +19,9 @@ a JSON-lines file under ``$JALAPENO_EMU_CACHE_DIR`` (default ``~/.cache/jalapeno
 a hash of the chip spec and a hash of the source of every module that decides a Program or its
 timing (kernels, ISA, emulator, chip spec, MX numerics). Editing any of them starts a new file,
 so a cached figure is always what this code would compute. Processes share the file: each line is
-appended whole, and a timer reads the file once, when it is made (figures another process adds
-later are timed again here).
+appended whole, and a timer reads the file when it is made and, on each miss, the lines other
+processes have appended since, so a sweep's workers build a figure once between them unless they
+reach it at the same moment.
 
 **Re-timing** (for calibration). A Program depends on a spec's structural fields only, so timers
 of specs that differ in timing fields alone can share builds: a timer's ``followers`` (timers of

@@ -515,7 +515,7 @@ def _loop(asm: _Asm, loop: tuple[int, int, int], body: list, index: int) -> Loop
                     tuple(steps for _, _, steps, _ in body))
     except IllegalInstruction as exc:
         raise asm.error(getattr(exc, "reason", exc.message), line, col, hint=exc.hint) from None
-    for i in sorted({1, count - 1} - {0}):
+    for i in sorted({1, count - 1} & set(range(1, count))):
         for k, ins in enumerate(made.iteration(i)):
             lineno, _, _, step_cols = body[k]
             try:

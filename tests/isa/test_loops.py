@@ -171,6 +171,12 @@ def test_a_loop_in_assembly_runs_as_written_out():
     assert run_timing(looped, spec).summary() == run_timing(plain, spec).summary()
 
 
+def test_a_loop_of_one_or_two_iterations_assembles():
+    for count in (1, 2):
+        program = assemble(f".loop {count}\nc0.dma0: sem.signal 0 +=1\n.endloop\n")
+        assert [i.arg("sem") for i in program.instructions] == list(range(count))
+
+
 @pytest.mark.parametrize(("text", "message"), [
     (".loop 2\nc0.dma0: sem.signal 0\n", "has no .endloop"),
     (".endloop\n", ".endloop without a .loop"),

@@ -65,6 +65,7 @@ reads every expert whether or not a token chose it (at prefill sizes they all ar
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -196,7 +197,14 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None
 def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:
     """"dense" when ``shape`` runs a slot program (slots or panel: expert slots, ``distinct_experts``
     applies) or "gather" (every expert's tokens gathered; also when nothing fits: the launch then
-    fails with the reason)."""
+    fails with the reason). Remembered per shape and spec: the rack asks it for every grid point
+    of every mapping, and mappings that split a chip alike ask the same questions."""
+    return _grouping_of(tuple(sorted(shape.items())), spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grouping_of(items: tuple[tuple[str, Any], ...], spec: ChipSpec) -> str:
+    shape = dict(items)
     check_shape(dict(shape, distinct_experts=0) if shape["grouping"] == "gather" else shape)
     budget = Budget.of(spec)
     try:

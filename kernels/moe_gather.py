@@ -464,7 +464,10 @@ def _plain_specs(p: GatherPlan) -> list[Spec]:
     immediate fill), and each routed block's combine rows (read by the combine items)."""
     out: list[Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
     if p.e:
-        n_route = max(sum(1 for b in range(p.nb) if p.routing_core(b) == c) for c in range(p.cores))
+        per_core: dict[int, int] = {}  # blocks each core routes
+        for b in range(p.nb):
+            per_core[p.routing_core(b)] = per_core.get(p.routing_core(b), 0) + 1
+        n_route = max(per_core.values(), default=0)
         out += [(f"cr{n}", "i32", (p.tb, p.k)) for n in range(max(1, n_route))]
     return out
 

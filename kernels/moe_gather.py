@@ -465,8 +465,8 @@ def _plain_specs(p: GatherPlan) -> list[Spec]:
     out: list[Spec] = [("csrc", "bf16", (min(p.t, 32), min(p.h, 512)))]
     if p.e:
         per_core: dict[int, int] = {}  # blocks each core routes
-        for b in range(p.nb):
-            per_core[p.routing_core(b)] = per_core.get(p.routing_core(b), 0) + 1
+        for c in map(p.routing_core, range(p.nb)):
+            per_core[c] = per_core.get(c, 0) + 1
         n_route = max(per_core.values(), default=0)
         out += [(f"cr{n}", "i32", (p.tb, p.k)) for n in range(max(1, n_route))]
     return out

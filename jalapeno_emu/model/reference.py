@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jalapeno_emu import mx
-from jalapeno_emu.emu.functional import inorder_block_matmul, sequential_row_sum
+from jalapeno_emu.emu.unit_math import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels.attention_ref import yarn_cos_sin
 from jalapeno_emu.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT

@@ -72,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jalapeno_emu import mx
-from jalapeno_emu.emu.functional import inorder_block_matmul
+from jalapeno_emu.emu.unit_math import inorder_block_matmul
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
 from jalapeno_emu.model.reference import (

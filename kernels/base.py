@@ -110,6 +110,7 @@ SHAPE_LIMITS: Mapping[str, KeyLimit] = MappingProxyType({
     "n_group": _EXPERTS,
     "topk_group": _EXPERTS,
     "kv_splits": _SPLITS,
+    "router_split": _SPLITS,
     # float parameters (NaN and infinities are refused whatever the bound)
     "eps": KeyLimit(1.0, "added to a mean square: models use 1e-5 or 1e-6, and 1 or more would swamp "
                          "the activations' own scale"),

@@ -314,7 +314,8 @@ def _notes(p: Plan, shape: dict[str, Any]) -> dict[str, Any]:
         return {**common, "program": "panel", "down_block": p.hb, "k_panel": p.hk, "i_panel": p.ik,
                 "x_resident": p.x_resident, "items": len(p.gu_items()) + len(p.down_items()),
                 "route_block": p.tb, "routed_rows": p.d * t}
-    return {**common, "program": "slots", "arrangement": "routed" if p.routed else "dense",
+    return {**common, "program": "slots", "router_split": p.router_split,
+            "arrangement": "routed" if p.routed else "dense",
             "capacities": sorted(set(p.caps)), "routed_rows": sum(p.caps), "items": len(p.items),
             "weight_buffers": p.nbuf}
 
@@ -392,6 +393,8 @@ MOE = register(KernelDef(
                  "routing)", minimum=0),
         ShapeKey("slice", int, 0, "intermediate columns per work item, multiple of 32 (0: automatic)",
                  minimum=0),
+        ShapeKey("router_split", int, 0, "slot program: blocks of H the router matmul is split into, "
+                 "one producer core each, added in order by every consumer (0: automatic)", minimum=0),
         ShapeKey("grouping", str, "auto", "dense: the expert-slot programs (T <= 128); gather: each expert "
                  "computes the tokens of each 128-token block that chose it (prefill); auto: slots, then "
                  "gather", choices=("auto", "dense", "gather")),

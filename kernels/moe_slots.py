@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder, MXTensor
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import Space
@@ -133,6 +134,8 @@ class MoePlan(MoeLayout):
         nbuf: weight buffers per core.
         bias_cols: K of the per-core down-bias matmul (3 columns per term whose slice 0 the core
             runs, rounded up to 32; 0 without biases).
+        router_k: [start, end) rows of H of each producer's block of the router's contraction
+            (``_router_split``); one block: no split.
     """
 
     items: tuple[Item, ...]
@@ -143,6 +146,24 @@ class MoePlan(MoeLayout):
     group: int
     nbuf: int
     bias_cols: int
+    router_k: tuple[tuple[int, int], ...] = ()
+
+    # --- the router's producers -----------------------------------------------------------------
+    @property
+    def router_split(self) -> int:
+        """Blocks the router's contraction (H) is split into (1: none)."""
+        return max(1, len(self.router_k))
+
+    @property
+    def router_producers(self) -> int:
+        """Cores that compute a piece of the logits: one per (column panel, K block)."""
+        return self.router_parts * self.router_split if self.e else 0
+
+    def router_piece(self, c: int) -> tuple[int, int, int]:
+        """(column panel, first row of H, rows) producer core ``c`` computes."""
+        n, r = divmod(c, self.router_split)
+        k0, k1 = self.router_k[r] if self.router_k else (0, self.h)
+        return n, k0, k1 - k0
 
     # --- items and terms ------------------------------------------------------------------------
     @property
@@ -341,7 +362,10 @@ def _core_tiles(p: MoePlan, act_fmt: str, activation: str, x_in: bool) -> _CoreT
     x_plain = act_fmt == "bf16" and p.routed and p.s > 0
     first: list[Spec] = [("x", "bf16", (t, h))] if x_in and not x_plain else []
     if e:
-        first += [("wr", "bf16", (h, ew)), ("logits_part", "f32", (t, ew))]
+        rows = max(n for _, _, n in map(p.router_piece, range(p.router_producers)))
+        first += [("wr", "bf16", (rows, ew)), ("logits_part", "f32", (t, ew))]
+        if p.router_split > 1:  # the other K blocks' pieces, pulled before they are added
+            first.append(("lstage", "f32", ((p.router_split - 1) * t, e)))
     if p.routed:
         tc = p.combine_tokens
         later: tuple[tuple[Spec, ...], ...] = (
@@ -409,6 +433,50 @@ def _runs(n_items: int, cores: int) -> tuple[tuple[int, int], ...]:
     return tuple((b[c], b[c + 1]) for c in range(cores))
 
 
+def _router_split(shape: dict[str, Any], spec: ChipSpec,
+                  cores: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """(R column panels, E/R columns each, K blocks) of the router matmul [T, H] x [H, E].
+
+    A panel is at most one matrix-unit column tile wide (R the smallest divisor of E that allows
+    it): with T <= 128 rows a matmul's steps are one per 32 rows of H per column tile, whatever
+    the width, so narrower panels only multiply the same H-long chains. The chain is cut instead
+    by splitting H into blocks of whole 32-row steps, one producer core each (R x blocks cores);
+    every consumer pulls the pieces and adds a panel's blocks in block order (FP32, one rounding
+    per add). Automatic (shape key ``router_split=0``): the split that minimises one producer's
+    matmul plus the consumer's adds, with every block at least one array fill long (a shorter
+    matmul is dominated by the fill, so the split would buy less than its adds and pulls cost)
+    and at most ``dma.max_outstanding_per_queue`` pieces (the consumer's pulls in one round).
+    """
+    t, h, e = shape["tokens"], shape["hidden"], shape["experts"]
+    mx = spec.matrix
+    divisors = [r for r in range(1, min(e, cores) + 1) if e % r == 0]
+    narrow = [r for r in divisors if e // r <= mx.tile_n]
+    r_parts = min(narrow) if narrow else max(divisors)  # more columns than cores have tiles: wider
+    ew = e // r_parts
+    steps = -(-h // mx.tile_k)
+    most = max(1, min(steps, cores // r_parts, spec.dma.max_outstanding_per_queue // r_parts))
+    key = shape.get("router_split", 0)
+    if key:
+        if key > most:
+            raise InvalidArgumentError(f"shape key router_split={key}: at most {most} blocks on {spec.name} "
+                             f"({r_parts} router panel(s), {cores} cores, {steps} steps of H={h})")
+        split = key
+    else:
+        step = mxu_cycles_per_step(spec, "bf16", "bf16")
+        add = spec.vector.issue_overhead_cycles + -(-t * e // spec.vector.lanes)
+
+        def cycles(r: int) -> float:
+            return -(-steps // r) * step + (r - 1) * add
+
+        ok = [r for r in range(1, most + 1) if r == 1 or steps // r * step >= mx.pipeline_depth_cycles]
+        split = min(ok, key=lambda r: (cycles(r), r))
+    if split == 1:
+        return r_parts, ew, ()
+    b = (np.linspace(0, steps, split + 1).round().astype(int) * mx.tile_k).tolist()
+    b[-1] = h
+    return r_parts, ew, tuple((b[r], b[r + 1]) for r in range(split))
+
+
 @memoised_planner
 def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> MoePlan:
     """The slot program's split for a checked ``shape`` with ``d`` expert slots, within ``budget``.
@@ -426,9 +494,7 @@ def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
     caps = capacities(t, k, d, shape["routing"])
     routed = any(c < t for c in caps)
     cores_avail = budget.cores
-    # Router panels: R producers, each E/R columns (R divides E, at most one per 32 columns).
-    r_parts = max(r for r in range(1, min(cores_avail, max(1, e // 32)) + 1) if e % r == 0) if e else 0
-    ew = e // r_parts if e else 0
+    r_parts, ew, router_k = _router_split(shape, spec, cores_avail) if e else (0, 0, ())
     acc_cap, sram_cap = budget.acc_bytes, budget.sram_bytes
 
     def chunks(w: int) -> list[int]:
@@ -446,7 +512,7 @@ def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
                     chunk_sizes=tuple(sizes), expert_bytes=offs[-1], expert_bias=bias, router_parts=r_parts,
                     router_cols=ew, rd=rd, items=items, cores=cores,
                     runs=_runs(len(items), cores) if routed else (),
-                    caps=caps, red=red, group=group, nbuf=nbuf, bias_cols=0)
+                    caps=caps, red=red, group=group, nbuf=nbuf, bias_cols=0, router_k=router_k)
         if bias:
             if routed:
                 most = max(len(_bias_terms(p, c)) for c in range(cores))
@@ -552,7 +618,7 @@ class _Program:
         self.ids_out = outs.get("expert_ids") or Out.onchip()
         self.nq = ctx.spec.dma.queues_per_core
         self.workers = range(p.cores)
-        self.producers = range(p.router_parts)
+        self.producers = range(p.router_producers)
         kb = self.kb
         self.g = {n: kb.semaphore(n) for n in ("logits_ready", "partials_ready", "o_stored", "pulled_all",
                                                  "sh_copied")}
@@ -562,7 +628,7 @@ class _Program:
         self._quantise_rows = p.routed and self.x_static and shape["act_fmt"] != "bf16"
         self.waited: dict[Any, set[Ready]] = {}
         self.B: dict[int, dict[str, Any]] = {}
-        for c in range(max(p.cores, p.router_parts)):
+        for c in range(max(p.cores, p.router_producers)):
             self.B[c] = self._alloc_core(c)
 
     def q(self, c: int, i: int) -> Any:
@@ -666,7 +732,9 @@ class _Program:
                 B["x_wait"] = [(sem["x_loaded"].id, 1)]
             if c in self.producers:
                 q1 = self.q(c, 1)
-                q1.load(B["wr"], self.t["router"].hbm_view(c * p.h, 0, p.h, p.router_cols))
+                n, k0, rows = p.router_piece(c)
+                q1.load(B["wr"].sub(0, 0, rows, p.router_cols),
+                        self.t["router"].hbm_view(n * p.h + k0, 0, rows, p.router_cols))
                 q1.signal(sem["wr_loaded"])
             if c in self.workers and p.e:
                 q1 = self.q(c, 1)
@@ -728,13 +796,16 @@ class _Program:
                 self._emit_combine(c)
 
     def _emit_router(self, c: int) -> None:
-        """Producer core ``c``: its column panel of the logits, FP32 in its accumulators."""
-        B = self.B[c]
+        """Producer core ``c``: its piece of the logits (a column panel over a block of H), FP32 in
+        its accumulators."""
+        p, B = self.p, self.B[c]
         m, sem = self.kb.core(c).mxu, B["sem"]
         for cond in B["x_wait"]:
             m.wait(*cond)
         m.wait(sem["wr_loaded"], 1)
-        m.matmul(B["acc_r"], B["x"], B["wr"], mode="overwrite")
+        _, k0, rows = p.router_piece(c)
+        m.matmul(B["acc_r"], B["x"].sub(0, k0, p.t, rows), B["wr"].sub(0, 0, rows, p.router_cols),
+                 mode="overwrite")
         m.signal(sem["r_done"])
 
     def _emit_core_setup(self, c: int, has_shared_bias: bool) -> None:
@@ -802,14 +873,20 @@ class _Program:
         p, B = self.p, self.B[c]
         t, sem, v = p.t, B["sem"], self.kb.core(c).vpu
         q1 = self.q(c, 1)
-        q1.wait(self.g["logits_ready"], p.router_parts)
-        for r in range(p.router_parts):
-            q1.copy(B["logits"].sub(0, r * p.router_cols, t, p.router_cols), self.B[r]["logits_part"])
+        q1.wait(self.g["logits_ready"], p.router_producers)
+        ew = p.router_cols
+        for pc in self.producers:
+            n, _, _ = p.router_piece(pc)
+            r = pc % p.router_split
+            dst = B["logits"] if r == 0 else B["lstage"].sub((r - 1) * t, 0, t, p.e)
+            q1.copy(dst.sub(0, n * ew, t, ew), self.B[pc]["logits_part"])
         q1.signal(sem["pulled"])
         if p.routed and p.s:
             q1.signal(self.g["pulled_all"])
         v.wait(sem["consts"], 1)
         v.wait(sem["pulled"], 1)
+        for r in range(1, p.router_split):  # the K blocks in order: ((b0 + b1) + b2) + ...
+            v.add(B["logits"], B["logits"], B["lstage"].sub((r - 1) * t, 0, t, p.e))
         emit_routing(v, B, p.rd, self.shape["routed_scaling_factor"], p.d)
         if p.routed:
             self._emit_lists(c)

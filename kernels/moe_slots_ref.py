@@ -132,6 +132,16 @@ def _core_partials(p: MoePlan, shape: dict[str, Any], c: int, xq: Any, terms_w: 
     return acc, shared_rows
 
 
+def _router_logits(x: jax.Array, wr: jax.Array, p: MoePlan) -> jax.Array:
+    """FP32 logits [T, E] as the producers compute them: each K block in order on the matrix unit,
+    the blocks' pieces added in block order."""
+    logits = None
+    for k0, k1 in p.router_k or ((0, p.h),):
+        part = inorder_jit(x[:, k0:k1], wr[k0:k1])
+        logits = part if logits is None else logits + part
+    return logits
+
+
 def slots_reference(inputs: dict[str, Any], p: MoePlan, shape: dict[str, Any]) -> dict[str, np.ndarray]:
     """Pure-JAX MoE with the slot program's numerics and summation order: {"y": bf16 [T, H]} and,
     with routed experts, "expert_ids": int32 [D, 1]."""
@@ -146,7 +156,7 @@ def slots_reference(inputs: dict[str, Any], p: MoePlan, shape: dict[str, Any]) -
         terms_w.update({s: (shared[s], shared_b[s]) for s in range(p.s)})
     if p.e:
         wr = jnp.asarray(router_logical(np.asarray(inputs["router"]), p), jnp.float32)
-        ids, w = route_reference(inorder_jit(x, wr), inputs, p.rd, shape["routed_scaling_factor"])
+        ids, w = route_reference(_router_logits(x, wr, p), inputs, p.rd, shape["routed_scaling_factor"])
         slots, slot_w = group_reference(ids, w, p.d)
         routed = unpack_experts(inputs["experts"], p)
         routed_b = unpack_expert_biases(inputs["experts"], p) if p.expert_bias else [None] * p.e

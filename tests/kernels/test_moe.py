@@ -308,3 +308,55 @@ def test_full_size_dense_ffn_prefill_timing_only():
     s = r.summary
     assert r.notes["grouping"] == "gather" and s["bound"] == "compute"
     assert s["time_s"] < 1.5 * s["lower_bound_s"]
+
+
+def test_a_split_router_adds_its_k_blocks_in_block_order():
+    """router_split=2 on tiny: H = 128 in blocks [0, 64) and [64, 128), each a producer's piece,
+    added in block order. The router is built so that order decides the top-1 expert: expert 0's
+    logit is 2^24 (block 0) + 1 (row 64) + 1 (row 96), expert 1's 2^24 + 2 (block 0). In one chain
+    ((2^24 + 1) + 1) rounds to 2^24 twice and expert 1 wins; split, 2^24 + (1 + 1) ties expert 1
+    and the lower index, expert 0, wins."""
+    import ml_dtypes
+
+    from jalapeno_emu.kernels.moe import router_panels
+
+    shape = {"tokens": 2, "hidden": 128, "experts": 8, "top_k": 1, "router_split": 2}
+    spec = load_preset("tiny")
+    p = plan_moe(get_kernel("moe").shape(shape), spec)
+    assert p.router_k == ((0, 64), (64, 128)) and p.router_producers == 2
+
+    def tie_on_order(inputs):
+        x = np.asarray(inputs["x"], np.float32)
+        x[:, :128] = 0.0
+        x[:, 0], x[:, 1], x[:, 64], x[:, 96] = 4096.0, 1.0, 1.0, 1.0
+        inputs["x"] = x.astype(ml_dtypes.bfloat16)
+        wr = np.zeros((128, 8), np.float32)
+        wr[0, 0], wr[64, 0], wr[96, 0] = 4096.0, 1.0, 1.0
+        wr[0, 1], wr[1, 1] = 4096.0, 2.0
+        inputs["router"] = router_panels(wr.astype(ml_dtypes.bfloat16), p)
+        inputs["router_bias"] = np.zeros((1, 8), ml_dtypes.bfloat16)
+
+    b, _, inputs, res = _run_once(shape, tie_on_order)
+    assert res.read("expert_ids", "i32", (p.d, 1))[:, 0].tolist() == [0] * p.d
+    assert np.array_equal(res.read("y").view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
+    one_chain = get_kernel("moe").build(get_kernel("moe").shape({**shape, "router_split": 1}), spec)
+    assert run_functional(one_chain.program, inputs).read("expert_ids", "i32", (p.d, 1))[:, 0].tolist() \
+        == [1] * p.d
+
+
+def test_the_automatic_router_split_cuts_the_chain_of_a_long_contraction():
+    """gpt-oss-120b at batch 1 on jalapeno-v1: one 128-column panel, H = 2880 cut into blocks of
+    at least an array fill (256 cycles, 8 BF16 steps), at most 16 pieces; a tiny H is not split."""
+    spec = load_preset("jalapeno-v1")
+    kdef = get_kernel("moe")
+    big = plan_moe(kdef.shape({"tokens": 1, "hidden": 2880, "intermediate": 2880, "experts": 128,
+                               "top_k": 4, "routing": "uniform"}), spec)
+    assert big.router_parts == 1 and big.router_cols == 128
+    assert 2 <= big.router_split <= 16
+    assert all((k1 - k0) // 32 * 32 >= spec.matrix.pipeline_depth_cycles for k0, k1 in big.router_k)
+    assert big.router_k[0][0] == 0 and big.router_k[-1][1] == 2880
+    small = plan_moe(kdef.shape({"tokens": 1, "hidden": 128, "experts": 128, "top_k": 4}), spec)
+    assert small.router_split == 1
+    with pytest.raises(InvalidArgumentError, match="router_split=99"):
+        plan_moe(kdef.shape({"tokens": 1, "hidden": 2880, "experts": 128, "top_k": 4, "router_split": 99}),
+                 spec)

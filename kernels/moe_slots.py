@@ -24,8 +24,10 @@ Two arrangements follow from the capacities:
   round-robin to the cores; each core accumulates its items' down projections into one FP32
   [T, H] partial (the weighted combine happens in the accumulator) and its down biases through
   one small BF16 matmul (the gate weights' three BF16 parts, exact for FP32, times the bias);
-  then core c pulls column slice c of every partial (``dma.copy``), adds them in core order and
-  rounds y[:, slice c] to BF16 once.
+  then each reducing core pulls its column slice of every partial (``dma.copy``), adds them in
+  core order and rounds its slice of y to BF16 once. Reducers: every core, or at small batches
+  half a consumer's queue slots' worth (``_reducers``), so that y's consumer pulls it in one
+  round of DMA set-up even with other operators' transfers in flight.
 - **routed** (some capacity below T): after the routing, each slot's list is the C tokens with
   the largest weights for it (``vec.topk`` of its row of the [D, T] weights; a second top-k
   checks that the (C+1)-th is zero, ``vec.group`` of the flags raises otherwise). Items are dealt
@@ -39,6 +41,11 @@ Two arrangements follow from the capacities:
   the k rows of each token (decreasing weight; a token with fewer picks takes zero rows); core c
   gathers its tokens' rows (one ``dma.gather``), adds them in that order, then the shared rows,
   and rounds y[tokens of c] to BF16 once.
+
+**Router.** The logits [T, E] are computed by producer cores, one per (column panel of at most
+one matrix-unit tile, block of H): with T <= 128 a BF16 matmul costs H/32 steps per column tile
+whatever the rows, so at decode the chain is cut by splitting H (``_router_split``; shape key
+``router_split``). Every core pulls the pieces and adds a panel's blocks in block order.
 
 **Emitter** (``emit_slots``). x [T, H] BF16 from HBM or on chip: a core that holds the whole of x
 in its scratchpad (a replicated norm output) reads it in place, otherwise it is fetched. y goes to
@@ -433,6 +440,30 @@ def _runs(n_items: int, cores: int) -> tuple[tuple[int, int], ...]:
     return tuple((b[c], b[c + 1]) for c in range(cores))
 
 
+def _reducers(t: int, h: int, cores: int, spec: ChipSpec) -> int:
+    """Dense arrangement: how many cores reduce y, each a column slice of every core's partial.
+
+    Each reducer pulls ``cores`` slices (FP32) and adds them; y's consumer then pulls one piece
+    per reducer. With a piece per core (64 on jalapeno-v1) a consumer's pulls fill its queues'
+    ``max_outstanding_per_queue`` exactly, and in a fused program any other operator's transfer
+    in flight on a queue (a prefetch, a cache append) pushes a piece into a second round, another
+    DMA set-up on the critical path. So: as many reducers as leave half of each queue free for
+    others' transfers, when the larger slices they pull and add cost less than that round; all
+    cores otherwise (large batches, where the bytes dominate)."""
+    dma, clock = spec.dma, spec.core.clock_hz
+    port = min(dma.bytes_per_s_per_core, spec.sram.bytes_per_cycle * clock)
+
+    def reduce_s(r: int) -> float:
+        cols = -(-h // r)
+        return cores * (4 * t * cols / port + (spec.vector.issue_overhead_cycles
+                                                + -(-t * cols // spec.vector.lanes)) / clock)
+
+    room = dma.queues_per_core * max(1, dma.max_outstanding_per_queue // 2)
+    if cores <= room:
+        return cores
+    return room if reduce_s(room) < reduce_s(cores) + dma.setup_latency_s else cores
+
+
 def _router_split(shape: dict[str, Any], spec: ChipSpec,
                   cores: int) -> tuple[int, int, tuple[tuple[int, int], ...]]:
     """(R column panels, E/R columns each, K blocks) of the router matmul [T, H] x [H, E].
@@ -443,7 +474,7 @@ def _router_split(shape: dict[str, Any], spec: ChipSpec,
     by splitting H into blocks of whole 32-row steps, one producer core each (R x blocks cores);
     every consumer pulls the pieces and adds a panel's blocks in block order (FP32, one rounding
     per add). Automatic (shape key ``router_split=0``): the split that minimises one producer's
-    matmul plus the consumer's adds, with every block at least one array fill long (a shorter
+    matmul plus the consumer's pulls and adds, with every block at least one array fill long (a shorter
     matmul is dominated by the fill, so the split would buy less than its adds and pulls cost)
     and at most ``dma.max_outstanding_per_queue`` pieces (the consumer's pulls in one round).
     """
@@ -464,9 +495,11 @@ def _router_split(shape: dict[str, Any], spec: ChipSpec,
     else:
         step = mxu_cycles_per_step(spec, "bf16", "bf16")
         add = spec.vector.issue_overhead_cycles + -(-t * e // spec.vector.lanes)
+        port = min(spec.dma.bytes_per_s_per_core, spec.sram.bytes_per_cycle * spec.core.clock_hz)
+        pull = 4 * t * e / port * spec.core.clock_hz  # one block's FP32 logits [T, E] into a consumer
 
         def cycles(r: int) -> float:
-            return -(-steps // r) * step + (r - 1) * add
+            return -(-steps // r) * step + (r - 1) * add + r * pull
 
         ok = [r for r in range(1, most + 1) if r == 1 or steps // r * step >= mx.pipeline_depth_cycles]
         split = min(ok, key=lambda r: (cycles(r), r))
@@ -506,8 +539,9 @@ def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
         offs = np.cumsum([0, *sizes]).tolist()
         items = tuple((True, si, j) for si in range(s) for j in range(len(slices))) + \
             tuple((False, u, j) for u in range(d) for j in range(len(slices)))
-        bounds = np.linspace(0, h, cores + 1).round().astype(int).tolist()
-        red = tuple((bounds[c], bounds[c + 1] - bounds[c]) for c in range(cores))
+        n_red = _reducers(t, h, cores, spec)
+        bounds = np.linspace(0, h, n_red + 1).round().astype(int).tolist()
+        red = tuple((bounds[c], bounds[c + 1] - bounds[c]) if c < n_red else (h, 0) for c in range(cores))
         p = MoePlan(t=t, h=h, i=i, e=e, k=k, s=s, d=d, slices=slices, chunk_off=tuple(offs[:-1]),
                     chunk_sizes=tuple(sizes), expert_bytes=offs[-1], expert_bias=bias, router_parts=r_parts,
                     router_cols=ew, rd=rd, items=items, cores=cores,

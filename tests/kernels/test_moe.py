@@ -360,3 +360,28 @@ def test_the_automatic_router_split_cuts_the_chain_of_a_long_contraction():
     with pytest.raises(InvalidArgumentError, match="router_split=99"):
         plan_moe(kdef.shape({"tokens": 1, "hidden": 2880, "experts": 128, "top_k": 4, "router_split": 99}),
                  spec)
+
+
+def test_a_decode_batch_reduces_y_on_fewer_cores_than_it_has():
+    """Dense arrangement: at batch 1 on jalapeno-v1 y is reduced by 32 cores (each consumer pulls
+    32 pieces, 8 per queue, leaving room for other operators' transfers), at batch 64 with every
+    token in every slot by all 64 (each reducer's pull bytes then dominate); functionally exact
+    with fewer reducers than cores."""
+    spec = load_preset("jalapeno-v1")
+    kdef = get_kernel("moe")
+    gpt = {"hidden": 2880, "intermediate": 2880, "experts": 128, "top_k": 4}
+    b1 = plan_moe(kdef.shape({**gpt, "tokens": 1, "routing": "uniform"}), spec)
+    widths = [w for _, w in b1.red]
+    assert not b1.routed and sum(w > 0 for w in widths) == 32 and sum(widths) == 2880
+    b64 = plan_moe(kdef.shape({**gpt, "tokens": 64, "routing": "any", "distinct_experts": 4}), spec)
+    assert not b64.routed and sum(w > 0 for _, w in b64.red) == 64
+    # tiny with one queue of 2 in flight: room for one piece, so one core reduces all of y
+    narrow = load_preset("tiny").replace(**{"dma.queues_per_core": 1, "dma.max_outstanding_per_queue": 2})
+    shape = kdef.shape({"tokens": 2})
+    p = plan_moe(shape, narrow)
+    assert [w for _, w in p.red] == [64, 0]
+    b = kdef.build(shape, narrow)
+    check_program(b.program, narrow)
+    inputs = b.make_inputs(0)
+    got = run_functional(b.program, inputs).read("y")
+    assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))

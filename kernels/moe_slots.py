@@ -655,7 +655,7 @@ class _Program:
         self.producers = range(p.router_producers)
         kb = self.kb
         self.g = {n: kb.semaphore(n) for n in ("logits_ready", "partials_ready", "o_stored", "pulled_all",
-                                                 "sh_copied")}
+                                                 "sh_copied", "routed_all")}
         self.x_static = self.x.in_hbm and not self.x.waits()
         # Routed: x's rows for each slot are gathered from x itself when it is an HBM input (and
         # quantised here), else from each core's copy of the quantised x in the scratch.
@@ -925,6 +925,7 @@ class _Program:
         if p.routed:
             self._emit_lists(c)
         v.signal(sem["routed"])
+        v.signal(self.g["routed_all"])
         if p.routed:
             self._emit_picks(c)
         if c == 0 and self.ids_out.in_hbm:
@@ -1009,7 +1010,7 @@ class _Program:
         q0, sem = self.q(c, 0), B["sem"]
         items = p.core_items(c)
         start = 0 if prefetch else B["loads_done"]
-        routed_waited = False
+        routed_waited = wave_waited = False
         for n in range(start, len(items)):
             is_shared, slot, j = items[n]
             if prefetch and (n >= p.nbuf or not is_shared):
@@ -1029,6 +1030,13 @@ class _Program:
                     if p.routed:
                         self._emit_x_rows(c)
                     routed_waited = True
+                elif not wave_waited:
+                    # Every core's first routed chunk before anyone's second: a core's DMA port
+                    # sends its chunks in order, but the HBM channels serve transfers in the
+                    # order they reach them, so a core that routes a little late would find its
+                    # first chunk queued behind every other core's first two.
+                    q0.wait(self.g["routed_all"], len(self.workers))
+                    wave_waited = True
                 table = Tile(Space.HBM, 0, self.t["experts"].base.offset + p.chunk_off[j], "u8", p.e, size,
                              p.expert_bytes)
                 q0.gather(dst, table, B["slot_ids"].sub(slot, 0, 1, 1))

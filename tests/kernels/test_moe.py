@@ -385,3 +385,30 @@ def test_a_decode_batch_reduces_y_on_fewer_cores_than_it_has():
     inputs = b.make_inputs(0)
     got = run_functional(b.program, inputs).read("y")
     assert np.array_equal(got.view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
+
+
+def test_every_core_gathers_its_first_routed_chunk_before_anyone_gathers_a_second():
+    """DeepSeek-R1's MoE at batch 1 on jalapeno-v1: each core's second routed chunk waits for every
+    core's routing (``routed_all``), so every first chunk reaches the HBM channels first; without
+    the wave a core that routes late finds its first chunk behind the others' first two."""
+    spec = load_preset("jalapeno-v1")
+    kdef = get_kernel("moe")
+    shape = kdef.shape({"tokens": 1, "hidden": 7168, "intermediate": 2048, "experts": 256, "top_k": 8,
+                        "shared_experts": 1, "router": "sigmoid_topk", "activation": "silu", "n_group": 8,
+                        "topk_group": 4, "score_bias": True, "routed_scaling_factor": 2.5,
+                        "routing": "uniform"})
+    p = plan_moe(shape, spec)
+    prog = kdef.build(shape, spec).program
+    wave = next(i for i, name in prog.semaphores if name == "routed_all")
+    checked = 0
+    for c in range(p.cores):
+        stream = [ins for ins in prog.instructions if ins.engine.core == c and ins.engine.unit == "dma"
+                  and ins.engine.queue == 0 and ins.mnemonic in ("dma.gather", "sem.wait")]
+        gathers = [k for k, ins in enumerate(stream) if ins.mnemonic == "dma.gather"]
+        waits = [k for k, ins in enumerate(stream)
+                 if ins.mnemonic == "sem.wait" and dict(ins.args)["sem"] == wave]
+        if len(gathers) >= 2:
+            assert len(waits) == 1 and gathers[0] < waits[0] < gathers[1]
+            assert dict(stream[waits[0]].args)["value"] == p.cores
+            checked += 1
+    assert checked >= p.cores // 2

@@ -474,9 +474,10 @@ def _router_split(shape: dict[str, Any], spec: ChipSpec,
     by splitting H into blocks of whole 32-row steps, one producer core each (R x blocks cores);
     every consumer pulls the pieces and adds a panel's blocks in block order (FP32, one rounding
     per add). Automatic (shape key ``router_split=0``): the split that minimises one producer's
-    matmul plus the consumer's pulls and adds, with every block at least one array fill long (a shorter
-    matmul is dominated by the fill, so the split would buy less than its adds and pulls cost)
-    and at most ``dma.max_outstanding_per_queue`` pieces (the consumer's pulls in one round).
+    matmul plus the consumer's pulls and adds, with every block at least one array fill long (a
+    shorter matmul is dominated by the fill, so the split would buy less than its adds and pulls
+    cost) and at most ``dma.max_outstanding_per_queue`` pieces (the consumer's pulls in one
+    round). Small hidden sizes (on jalapeno-v1, H < 512: the tiny models) are therefore never split.
     """
     t, h, e = shape["tokens"], shape["hidden"], shape["experts"]
     mx = spec.matrix
@@ -489,8 +490,10 @@ def _router_split(shape: dict[str, Any], spec: ChipSpec,
     key = shape.get("router_split", 0)
     if key:
         if key > most:
-            raise InvalidArgumentError(f"shape key router_split={key}: at most {most} blocks on {spec.name} "
-                             f"({r_parts} router panel(s), {cores} cores, {steps} steps of H={h})")
+            raise InvalidArgumentError(
+                f"shape key router_split={key}: at most {most} blocks on {spec.name} ({r_parts} router "
+                f"panel(s), {cores} cores, {steps} steps of H={h}, {spec.dma.max_outstanding_per_queue} "
+                "pulls per queue round)")
         split = key
     else:
         step = mxu_cycles_per_step(spec, "bf16", "bf16")

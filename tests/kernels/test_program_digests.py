@@ -42,7 +42,7 @@ PINNED: dict[str, tuple[str, float]] = {
                   8.710486471861474e-06),
     'mla-prefill': ('3cf8a61f6abff8e0c5f312bf9d34317bca0e923954977ee7f4b0dd4a1c36cd65',
                    1.4432994264069278e-05),
-    'moe': ('29e3965e7f8d060d177c750ae2f835d13bde32ec2b4411c07f754b1e23ac6535',
+    'moe': ('f97933cea9b97fed6d881bef21c2c1b490ed85405f214f849b81043aaa2627d1',
            1.1067961471861473e-05),
     'rmsnorm': ('ce99d539230283d8c4f7857fd6a172336c218f675c20cb725bfe988a4498c658',
                8.289925974025973e-06),

@@ -42,8 +42,8 @@ from jalapeno_emu import mx
 from jalapeno_emu.isa.builder import MXTensor
 from jalapeno_emu.isa.program import Tile
 
-__all__ = ["ChunkViews", "chunk_bytes", "chunk_views", "pack_experts", "router_logical", "router_panels",
-           "split_layout", "unpack_expert_biases", "unpack_experts"]
+__all__ = ["ChunkViews", "chunk_bytes", "chunk_views", "gu_bytes", "pack_experts", "router_logical",
+           "router_panels", "split_layout", "unpack_expert_biases", "unpack_experts"]
 
 
 def chunk_bytes(h: int, w: int, bias: bool = False, first: bool = False) -> int:
@@ -66,6 +66,12 @@ class ChunkViews:
 
 def _view(t: Tile, off: int, dtype: str, rows: int, cols: int) -> Tile:
     return Tile(t.space, t.core, t.offset + off, dtype, rows, cols)
+
+
+def gu_bytes(h: int, w: int) -> int:
+    """Bytes of a chunk's leading gate|up segment (codes and scales of [H, 2w]), what its gate|up
+    matmul reads; the down projection and the biases follow it."""
+    return h * w + (h // 32) * 2 * w
 
 
 def chunk_views(buf: Tile, h: int, w: int, bias: bool = False, first: bool = False) -> ChunkViews:

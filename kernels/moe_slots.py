@@ -55,9 +55,12 @@ depend on the routing: x when it is an HBM input ready at the start, the router 
 or score biases and the leading shared-expert chunks; routed experts' weights are gathered after
 the routing.
 
-Weights are double- to quadruple-buffered per core (as the scratchpad allows), two loads in
-flight; the matrix unit runs gate|up of item i+1 while the vector unit computes item i's
-activation. The slice width comes from a small cost model (bytes over the core's share of HBM vs
+Weights are double- to quadruple-buffered per core (as the scratchpad allows), two chunks in
+flight, each loaded in two pieces: its gate|up segment, which the gate|up matmul waits for, then
+the down projection and biases. After each core's first routed gate|up segment the queue waits
+until every core has routed, so all of the chip's first segments reach the HBM channels before
+any core's later pieces. The matrix unit runs gate|up of item i+1 while the vector unit computes
+item i's activation. The slice width comes from a small cost model (bytes over the core's share of HBM vs
 matrix-unit steps vs vector work, per item, times items on the busiest core, plus the pipeline
 fill), penalised beyond 64 items per core to keep the program small; ``slice=N`` overrides it.
 Two scratchpad regions are reused over time (x and the router panel, then the reduction or
@@ -93,7 +96,7 @@ from .moe_base import (
     view,
     weight_specs,
 )
-from .moe_pack import chunk_bytes, chunk_views
+from .moe_pack import chunk_bytes, chunk_views, gu_bytes
 from .moe_routing import (
     emit_route_constants,
     emit_routing,
@@ -636,8 +639,8 @@ def slot_tensors(p: MoePlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:
 
 
 # --- the program ---------------------------------------------------------------------------------
-_SEMS = ("x_loaded", "consts", "wr_loaded", "r_done", "pulled", "xq_ready", "routed", "loaded", "gu_done",
-         "gu_read", "act_ready", "freed", "bias_ready", "bias_done", "red_free",
+_SEMS = ("x_loaded", "consts", "wr_loaded", "r_done", "pulled", "xq_ready", "routed", "loaded", "loaded_gu",
+         "gu_done", "gu_read", "act_ready", "freed", "bias_ready", "bias_done", "red_free",
          "y_ready", "y_stored", "x_rows", "x_rows0", "x_quant", "xq_stored", "sh_block", "sh_drained",
          "sh_done", "crl_ready", "partial_ready", "staged", "owned_ready", "zero_ready", "c_loaded",
          "ids_stored", *(f"red_loaded{q}" for q in range(_REDUCE_QUEUES)))
@@ -1007,8 +1010,10 @@ class _Program:
         return (sem["x_rows0"].id, 1) if q == 0 else (sem["x_rows"].id, q)
 
     def _emit_loads(self, c: int, prefetch: bool) -> int:
-        """DMA queue 0: each item's chunk, loaded (shared) or gathered by its slot's expert id.
-        ``prefetch``: only the leading shared items whose buffers are fresh; returns how many."""
+        """DMA queue 0: each item's chunk, loaded (shared) or gathered by its slot's expert id, in
+        two pieces: its gate|up segment (``loaded_gu``), which the matrix unit needs first, then
+        the rest (down projection and biases: ``loaded``). ``prefetch``: only the leading shared
+        items whose buffers are fresh; returns how many."""
         p, B = self.p, self.B[c]
         q0, sem = self.q(c, 0), B["sem"]
         items = p.core_items(c)
@@ -1018,31 +1023,37 @@ class _Program:
             is_shared, slot, j = items[n]
             if prefetch and (n >= p.nbuf or not is_shared):
                 return n
-            size = p.chunk_sizes[j]
-            dst = B["wbuf"][n % p.nbuf].sub(0, 0, 1, size)
+            size, gu = p.chunk_sizes[j], gu_bytes(p.h, p.slices[j][1])
+            dst = B["wbuf"][n % p.nbuf]
             if n >= p.nbuf:  # the buffer's previous item must be done on the matrix unit
                 q0.wait(sem["freed"], n - p.nbuf + 1)
             if n >= _LOOKAHEAD:
                 q0.wait(sem["loaded"], n - _LOOKAHEAD + 1)
             if is_shared:
-                q0.load(dst, Tile(Space.HBM, 0, self.t["shared"].base.offset + slot * p.expert_bytes
-                                  + p.chunk_off[j], "u8", 1, size))
-            else:
-                if not routed_waited:
-                    q0.wait(sem["routed"], 1)
-                    if p.routed:
-                        self._emit_x_rows(c)
-                    routed_waited = True
-                elif not wave_waited:
-                    # Every core's first routed chunk before anyone's second: a core's DMA port
-                    # sends its chunks in order, but the HBM channels serve transfers in the
-                    # order they reach them, so a core that routes a little late would find its
-                    # first chunk queued behind every other core's first two.
-                    q0.wait(self.g["routed_all"], len(self.workers))
-                    wave_waited = True
-                table = Tile(Space.HBM, 0, self.t["experts"].base.offset + p.chunk_off[j], "u8", p.e, size,
-                             p.expert_bytes)
-                q0.gather(dst, table, B["slot_ids"].sub(slot, 0, 1, 1))
+                src = self.t["shared"].base.offset + slot * p.expert_bytes + p.chunk_off[j]
+                q0.load(dst.sub(0, 0, 1, gu), Tile(Space.HBM, 0, src, "u8", 1, gu))
+                q0.signal(sem["loaded_gu"])
+                q0.load(dst.sub(0, gu, 1, size - gu), Tile(Space.HBM, 0, src + gu, "u8", 1, size - gu))
+                q0.signal(sem["loaded"])
+                continue
+            if not routed_waited:
+                q0.wait(sem["routed"], 1)
+                if p.routed:
+                    self._emit_x_rows(c)
+                routed_waited = True
+            base = self.t["experts"].base.offset + p.chunk_off[j]
+            ids = B["slot_ids"].sub(slot, 0, 1, 1)
+            q0.gather(dst.sub(0, 0, 1, gu), Tile(Space.HBM, 0, base, "u8", p.e, gu, p.expert_bytes), ids)
+            q0.signal(sem["loaded_gu"])
+            if not wave_waited:
+                # Every core's first gate|up segment before anyone's next piece: a core's DMA
+                # port sends its pieces in order, but the HBM channels serve transfers in the
+                # order they reach them, so a core that routes a little late would find its first
+                # segment queued behind every other core's first two chunks.
+                q0.wait(self.g["routed_all"], len(self.workers))
+                wave_waited = True
+            q0.gather(dst.sub(0, gu, 1, size - gu),
+                      Tile(Space.HBM, 0, base + gu, "u8", p.e, size - gu, p.expert_bytes), ids)
             q0.signal(sem["loaded"])
         return len(items)
 
@@ -1091,7 +1102,7 @@ class _Program:
                     m.wait(sem["x_quant"], x_rows_waited)
                 else:
                     m.wait(*self._x_rows_ready(c, x_rows_waited - 1))
-            m.wait(sem["loaded"], n + 1)
+            m.wait(sem["loaded_gu"], n + 1)
             if n >= 2:  # the vector unit has read this accumulator's previous item
                 m.wait(sem["gu_read"], n - 1)
             m.matmul_mx(B["acc_gu"][n % 2].sub(0, 0, rows, 2 * w), x, self._views(c, n, j).gu,
@@ -1106,6 +1117,7 @@ class _Program:
             w = p.slices[j][1]
             rows, row, _ = self._rows_of(c, n)
             m.wait(sem["act_ready"], n + 1)
+            m.wait(sem["loaded"], n + 1)  # the chunk's down projection
             if p.routed and items[n][0]:  # a shared item: its T rows, block by block (drained by the vpu)
                 dn = self._views(c, n, j).down
                 for h0 in range(0, p.h, p.sh_block):
@@ -1196,6 +1208,7 @@ class _Program:
             else:  # the token's gate weight for this slot's expert: row `slot` of the [D, T] table
                 wcol = view(B["slot_w"], slot * p.t * 4, "f32", p.t, 1, 4)
             if p.expert_bias:
+                v.wait(sem["loaded"], n + 1)  # the biases travel after the down projection
                 v.add(gu.sub(0, 0, rows, 2 * w), gu.sub(0, 0, rows, 2 * w), views.gu_bias)
                 if j == 0 and is_shared and p.routed:  # added to the rows once they are complete
                     v.copy(B[f"b2sh{slot}"], views.down_bias)

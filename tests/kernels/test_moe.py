@@ -388,9 +388,12 @@ def test_a_decode_batch_reduces_y_on_fewer_cores_than_it_has():
 
 
 def test_every_core_gathers_its_first_routed_chunk_before_anyone_gathers_a_second():
-    """DeepSeek-R1's MoE at batch 1 on jalapeno-v1: each core's second routed chunk waits for every
-    core's routing (``routed_all``), so every first chunk reaches the HBM channels first; without
-    the wave a core that routes late finds its first chunk behind the others' first two."""
+    """DeepSeek-R1's MoE at batch 1 on jalapeno-v1: a chunk is gathered in two pieces (gate|up,
+    then down and biases), and each core's second piece waits for every core's routing
+    (``routed_all``), so every first gate|up segment reaches the HBM channels first; without the
+    wave a core that routes late finds its first segment behind the others' first chunks."""
+    from jalapeno_emu.kernels.moe_pack import gu_bytes
+
     spec = load_preset("jalapeno-v1")
     kdef = get_kernel("moe")
     shape = kdef.shape({"tokens": 1, "hidden": 7168, "intermediate": 2048, "experts": 256, "top_k": 8,
@@ -410,5 +413,7 @@ def test_every_core_gathers_its_first_routed_chunk_before_anyone_gathers_a_secon
         if len(gathers) >= 2:
             assert len(waits) == 1 and gathers[0] < waits[0] < gathers[1]
             assert dict(stream[waits[0]].args)["value"] == p.cores
+            # the first piece is the gate|up segment alone: what the first matmul reads
+            assert dict(stream[gathers[0]].args)["dst"].cols == gu_bytes(p.h, p.slice_max)
             checked += 1
     assert checked >= p.cores // 2

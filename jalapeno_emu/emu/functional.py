@@ -644,7 +644,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
     return result
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)  # a tiny model's decode step runs about 10 distinct programs
 def _whole_program(program: Program, seed: int | None) -> tuple[Callable, list[int], list[int]]:
     """(jitted state -> (state, flags, probed values), instruction index of each flag, instruction
     index of each probed value): the whole program as one traced function, with every offset a

@@ -39,6 +39,12 @@ __all__ = ["DieModel", "StepResult"]
 
 _BF16 = ml_dtypes.bfloat16
 
+WHOLE_PROGRAM_AFTER_STEPS = 2
+"""A launch's program runs compiled whole (``run_functional(compile="program")``) from the
+second step it runs in: by then it is known to recur (a decode step's launches but attention and
+the cache append, whose shapes hold the context). Tiny-gpt-oss on 2 cores: the MoE launch 8 -> 2.5
+ms a run, each whole compilation 0.1-0.35 s once (``benchmarks/bench_model.py``)."""
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -97,6 +103,8 @@ class DieModel:
         self._fused = None
         self.length = 0
         self._builds: dict[tuple[str, tuple], _Prepared] = {}
+        self._steps_run = 0  # forward calls begun, to tell programs that recur across steps
+        self._seen: dict[tuple[str, tuple], tuple[int, int]] = {}  # key -> (last step, steps run in)
         if cfg.attention == "gqa":
             shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
             self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
@@ -140,9 +148,24 @@ class DieModel:
             if want is not None and got is not None and tuple(got) != want:
                 raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): input {name!r} has shape "
                                            f"{tuple(got)}, the program's tensor is {want}")
-        result = run_functional(prep.build.program, {**prep.consts, **data})
+        result = run_functional(prep.build.program, {**prep.consts, **data},
+                                compile=self._compile_mode((launch.kernel, launch.shape)))
         return {name: result.read(name, dt, shp, space="hbm")
                 for name, (dt, shp) in prep.build.outputs.items()}
+
+    def _compile_mode(self, key: tuple[str, tuple]) -> str:
+        """How to compile a launch's program: whole (one jitted call per run) once it has run in
+        :data:`WHOLE_PROGRAM_AFTER_STEPS` steps, one function per instruction signature before.
+
+        A decode step's launches repeat every step except those whose shape holds the context
+        (attention, the cache append), which are new programs each step: compiling those whole
+        would cost more than it saves, and per-instruction compilation reuses their signatures.
+        """
+        last, steps = self._seen.get(key, (-1, 0))
+        if last != self._steps_run:
+            last, steps = self._steps_run, steps + 1
+            self._seen[key] = (last, steps)
+        return "program" if steps >= WHOLE_PROGRAM_AFTER_STEPS else "instruction"
 
     def tensor_shape(self, launch: Launch, name: str) -> tuple[int, ...]:
         """The HBM shape the launch's program records for tensor ``name``."""
@@ -163,6 +186,7 @@ class DieModel:
         step = (Step("decode", batch=self.batch, context=self.length + 1, routing="any") if s == 1 else
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
+        self._steps_run += 1
         cfg = self.cfg
         # Known gap: a prefill chunk under layer fusion (activations through HBM between layer
         # programs) disagrees with the reference on tiny-gpt-oss, while step fusion and layer-fused

@@ -86,3 +86,38 @@ def test_bad_requests_are_refused():
         die.forward(np.zeros((1, 5), np.int64))
     with pytest.raises(InvalidArgumentError, match="too large"):
         generate(load_model_config("gpt-oss-120b"), prompt_len=1, tokens=1)
+
+
+def test_recurring_launches_run_compiled_whole_with_the_same_logits(monkeypatch):
+    """From its second step a launch that recurs runs as one compiled program; the logits stay
+    bit-identical to per-instruction runs, and launches new each step (attention, the append:
+    their shapes hold the context) stay per-instruction."""
+    from jalapeno_emu.model import die as die_module
+
+    cfg = load_model_config("tiny-gpt-oss")
+    w = init_weights(cfg, 0)
+    modes: list[tuple[int, str, str]] = []
+    real = die_module.run_functional
+
+    def spy(program, inputs=None, **kw):
+        modes.append((len(modes), program.name, kw.get("compile", "instruction")))
+        return real(program, inputs, **kw)
+
+    monkeypatch.setattr(die_module, "run_functional", spy)
+
+    def logits(after: int) -> list[np.ndarray]:
+        monkeypatch.setattr(die_module, "WHOLE_PROGRAM_AFTER_STEPS", after)
+        die = DieModel(cfg, w, batch=1, max_positions=4, preset="tiny", fusion="none")
+        return [die.forward(np.array([[t]])).logits for t in (3, 7, 11)]
+
+    per_instruction = logits(10**9)
+    assert {m for _, _, m in modes} == {"instruction"}
+    modes.clear()
+    mixed = logits(2)
+    for a, b in zip(per_instruction, mixed, strict=True):
+        assert np.array_equal(a, b)
+    whole = {name for _, name, m in modes if m == "program"}
+    assert any(n.startswith("moe") for n in whole) and any(n.startswith("rmsnorm") for n in whole)
+    assert not any(n.startswith(("attention", "kv_append")) for n in whole)
+    per_step = len(modes) // 3
+    assert all(m == "instruction" for _, _, m in modes[:per_step])  # nothing recurs yet

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int, default=HIDDEN, help="--numerics: contraction length (default 2880)")
     p.add_argument("--cols", type=int, default=GATE_UP, help="--numerics: output features (default 5760)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights")
+    p.add_argument("--no-cache", action="store_true",
+                   help="time the full-size steps afresh (neither read nor write the timing disk "
+                        "cache, $JALAPENO_EMU_CACHE_DIR, default ~/.cache/jalapeno-emu)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 

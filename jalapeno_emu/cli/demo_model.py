@@ -46,7 +46,7 @@ def _tiny_section(app: App, args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def _full_section(app: App) -> dict[str, Any]:
+def _full_section(app: App, disk_cache: bool) -> dict[str, Any]:
     from jalapeno_emu.model import Step, load_model_config
     from jalapeno_emu.model.timing import StepTimer, time_model
 
@@ -56,7 +56,7 @@ def _full_section(app: App) -> dict[str, Any]:
     for batch in (1, 64):
         app.status(f"gpt-oss-120b decode step, batch {batch}, context 8192 (timing-only)")
         step = Step("decode", batch=batch, context=8192)
-        out[f"batch_{batch}"] = time_model(cfg, step, timer=timer).as_dict()
+        out[f"batch_{batch}"] = time_model(cfg, step, timer=timer, disk_cache=disk_cache).as_dict()
     if app.json_output:
         return out
     app.console.print("[bold]2. gpt-oss-120b decode step on one Jalapeño die[/bold] (context 8192, "
@@ -79,11 +79,11 @@ def _full_section(app: App) -> dict[str, Any]:
     return out
 
 
-def _rack_section(app: App) -> dict[str, Any]:
+def _rack_section(app: App, disk_cache: bool) -> dict[str, Any]:
     from jalapeno_emu.rack.deployment import rack_estimate
 
     app.status(f"gpt-oss-120b on the rack at {ISL}/{OSL}, concurrency 1 and 64")
-    points = rack_estimate("gpt-oss-120b", "jalapeno-v1", ISL, OSL, (1, 64))
+    points = rack_estimate("gpt-oss-120b", "jalapeno-v1", ISL, OSL, (1, 64), disk_cache=disk_cache)
     if app.json_output:
         return {"points": points}
     app.console.print(f"[bold]3. gpt-oss-120b served on the rack[/bold] (ISL/OSL {ISL}/{OSL})")
@@ -105,8 +105,8 @@ def run_model_demo(app: App, args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise Abort(f"--tokens must be >= 1 (got {args.tokens})")
     t0 = time.perf_counter()
-    doc = {"tiny": _tiny_section(app, args), "gpt_oss_120b": _full_section(app)}
-    doc["rack"] = _rack_section(app)
+    doc = {"tiny": _tiny_section(app, args), "gpt_oss_120b": _full_section(app, not args.no_cache)}
+    doc["rack"] = _rack_section(app, not args.no_cache)
     doc["wall_s"] = time.perf_counter() - t0
     if app.json_output:
         app.emit_json("demo", doc)

@@ -37,6 +37,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--trace", type=output_file,
                    help="write a Chrome/Perfetto trace JSON of the launches here")
+    p.add_argument("--no-cache", action="store_true",
+                   help="time fused programs afresh: neither read nor write the timing disk cache "
+                        "($JALAPENO_EMU_CACHE_DIR, default ~/.cache/jalapeno-emu; a --trace "
+                        "always times afresh)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -97,6 +101,12 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
     return cfg, spec, StepTimer(spec), _steps(args)
 
 
+def _disk_cache(args: argparse.Namespace) -> bool:
+    """Whether fused timings come from (and go to) the disk cache: not with --no-cache, and not
+    for a trace (a cached result keeps no timeline)."""
+    return not args.no_cache and not args.trace
+
+
 def _us(t: float) -> str:
     return f"{t * 1e6:,.1f}"
 
@@ -146,7 +156,8 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
     layer = first_full_attention_layer(cfg) if args.layer is None else args.layer
     chosen = " (the first full-attention layer; --layer picks another)" if args.layer is None else ""
     app.status(f"{cfg.name} layer {layer}{chosen} {args.phase} on {spec.name} (fusion {fusion})")
-    timed = [time_layer(cfg, layer, s, timer=timer, fusion=fusion) for s in steps]
+    timed = [time_layer(cfg, layer, s, timer=timer, fusion=fusion, disk_cache=_disk_cache(args))
+             for s in steps]
     kernels = [k for lt in timed for k in lt.kernels]
     if fusion == "none":
         totals = sum_timings(kernels, spec)
@@ -194,7 +205,7 @@ def run_model(app: App, args: argparse.Namespace) -> int:
     cfg, spec, timer, steps = _setup(args)
     fusion = resolve_fusion(args.fusion, spec)
     app.status(f"{cfg.name} {args.phase} step on {spec.name} (fusion {fusion})")
-    reports = [time_model(cfg, s, timer=timer, fusion=fusion) for s in steps]
+    reports = [time_model(cfg, s, timer=timer, fusion=fusion, disk_cache=_disk_cache(args)) for s in steps]
     docs = [r.as_dict() for r in reports]
     last = docs[-1]
     doc = dict(last)

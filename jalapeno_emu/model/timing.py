@@ -235,13 +235,17 @@ def resolve_fusion(fusion: str | None, spec: ChipSpec) -> str:
 
 
 def time_layer(cfg: ModelConfig, layer: int, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
-               timer: StepTimer | None = None, fusion: str | None = None) -> LayerTiming:
+               timer: StepTimer | None = None, fusion: str | None = None,
+               disk_cache: bool | str | os.PathLike[str] = False) -> LayerTiming:
     """Time decoder layer ``layer`` of ``cfg`` for ``step`` on ``spec`` (timing-only).
 
     Args:
         fusion: "none" (its launches back to back), "layer" (one fused program for the layer)
             or "step" (its stretch of a step-fused program); None: the preset's default
             (``software.fusion``). See ``model.fused``.
+        disk_cache: keep a fused layer's timing on disk between processes (``model.timing_cache``;
+            True: under ``cache_root()``, a path: under that directory); a result read from it
+            has no Timelines (traces need ``disk_cache=False``). Unfused layers use ``timer``.
 
     Returns:
         LayerTiming with per-launch (or per-phase) figures and totals (``lower_bound_s``, ``fusion``).
@@ -251,8 +255,10 @@ def time_layer(cfg: ModelConfig, layer: int, step: Step, spec: ChipSpec | str = 
     cfg.window(layer)  # a layer that does not exist is refused by name, whatever the fusion
     if fusion != "none":
         from .fused_timing import fused_layer_timing
+        from .timing_cache import cached_timing
 
-        return fused_layer_timing(cfg, layer, step, timer.spec, fusion)
+        return cached_timing(("layer", cfg, layer, step, fusion), timer.spec,
+                             lambda: fused_layer_timing(cfg, layer, step, timer.spec, fusion), disk_cache)
     return timer.time_launches(layer_launches(cfg, layer, step), layer=layer, kind=layer_kind(cfg, layer))
 
 
@@ -303,20 +309,24 @@ class ModelTiming:
 
 
 def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
-               timer: StepTimer | None = None, fusion: str | None = None) -> ModelTiming:
+               timer: StepTimer | None = None, fusion: str | None = None,
+               disk_cache: bool | str | os.PathLike[str] = False) -> ModelTiming:
     """Time one whole step of ``cfg`` (timing-only): embedding, all layers, final norm, logits.
 
     With ``fusion`` "none", layers with identical launch plans are timed once and the step is the
     sum of its launches; "layer" and "step" time fused programs (``model.fused_timing``); None:
     the preset's default. The footprint says whether weights and the KV cache (``step.batch``
-    sequences of ``step.positions`` tokens) fit the die's HBM.
+    sequences of ``step.positions`` tokens) fit the die's HBM. ``disk_cache`` keeps a fused
+    step's timing on disk between processes, as :func:`time_layer` does.
     """
     timer = timer or StepTimer(spec)
     fusion = resolve_fusion(fusion, timer.spec)
     if fusion != "none":
         from .fused_timing import fused_model_timing
+        from .timing_cache import cached_timing
 
-        return fused_model_timing(cfg, step, timer.spec, fusion)
+        return cached_timing(("model", cfg, step, fusion), timer.spec,
+                             lambda: fused_model_timing(cfg, step, timer.spec, fusion), disk_cache)
     plans: dict[tuple[Launch, ...], list[int]] = {}
     for layer in range(cfg.layers):
         plans.setdefault(layer_launches(cfg, layer, step), []).append(layer)

@@ -35,7 +35,6 @@ model) uses for its spec.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -47,6 +46,7 @@ from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.files import cache_root
+from jalapeno_emu.fingerprint import code_fingerprint, spec_fingerprint
 from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
@@ -65,8 +65,6 @@ BATCH_KEYS: dict[str, str] = {
     "mla-append": "batch",
 }
 """Kernel -> the shape key a refused launch is split along."""
-
-_SOURCE_PACKAGES = ("kernels", "isa", "emu", "chip", "mx", "model")  # model: the fused parts' wiring
 
 
 @dataclass(frozen=True)
@@ -112,26 +110,6 @@ class LaunchTime:
         }
 
 
-def code_fingerprint() -> str:
-    """sha256 (16 hex digits) of the source of the kernels, ISA, emulator, chip and MX packages."""
-    import importlib
-
-    h = hashlib.sha256()
-    for pkg in _SOURCE_PACKAGES:
-        mod = importlib.import_module(f"jalapeno_emu.{pkg}")
-        base = Path(mod.__file__).parent
-        for path in sorted(base.rglob("*")):
-            if path.suffix in (".py", ".toml") and path.is_file():
-                h.update(str(path.relative_to(base)).encode())
-                h.update(path.read_bytes())
-        h.update(pkg.encode())
-    return h.hexdigest()[:16]
-
-
-def _spec_fingerprint(spec: ChipSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _key(launch: Launch) -> str:
     return json.dumps([launch.kernel, [list(kv) for kv in launch.shape]], separators=(",", ":"))
 
@@ -169,7 +147,7 @@ class LaunchTimer:
         self._disk_read_bytes = 0  # how much of the file _disk holds (whole lines)
         if disk_cache:
             directory = cache_root() if disk_cache is True else Path(disk_cache)
-            self._file = directory / f"timings-{_spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
+            self._file = directory / f"timings-{spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
             self._disk_read_bytes = _read_cache(self._file, self._disk)
 
     def _from_disk(self, key: str) -> LaunchTime | None:
@@ -396,13 +374,13 @@ def install_timer(timer: LaunchTimer, *, disk_cache: bool = False) -> None:
     """Make ``timer`` the one :func:`shared_timer` returns for its spec and cache setting (the
     calibration's re-timing timers); a later install for the same spec replaces it."""
     spec = timer.spec
-    _SHARED[(spec.name, _spec_fingerprint(spec), bool(disk_cache))] = timer
+    _SHARED[(spec.name, spec_fingerprint(spec), bool(disk_cache))] = timer
 
 
 def shared_timer(spec: ChipSpec | str, *, disk_cache: bool = False) -> LaunchTimer:
     """The process-wide timer of ``spec`` (one per distinct spec contents and cache setting)."""
     spec = load_preset(spec) if isinstance(spec, str) else spec
-    key = (spec.name, _spec_fingerprint(spec), bool(disk_cache))
+    key = (spec.name, spec_fingerprint(spec), bool(disk_cache))
     timer = _SHARED.get(key)
     if timer is None:
         timer = _SHARED[key] = LaunchTimer(spec, disk_cache=disk_cache)

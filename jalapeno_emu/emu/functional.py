@@ -6,7 +6,11 @@ and one per core's accumulator memory. Each instruction is a pure function of th
 defined once below. Instructions run in ``schedule.sequential_order``; each is one call of a
 jitted function compiled once per *signature* (mnemonic, operand shapes and dtypes, buffer sizes)
 with the byte offsets passed as data, so a kernel's loop body compiles once however many times it
-is unrolled.
+is unrolled. A buffer is backed by a few bytes more than it holds (its size rounded up to a power
+of two, or to an eighth of one above 1 MiB; ``MemoryLayout.backing``): buffers of nearby sizes then
+share compiled functions (a fused tiny-gpt-oss prefill step: 443 signatures with exact sizes,
+far fewer rounded), and each JAX compilation, even one found in the persistent cache, costs
+tens of milliseconds of tracing. Results are trimmed back to the allocations' sizes.
 
 Uninitialised memory is zero, or, with ``debug=True``, 0xFF bytes: NaN in every float type and a
 NaN E8M0 scale, so a read of memory nothing wrote shows up as NaN in the results.
@@ -85,6 +89,17 @@ class MemoryLayout:
         """Buffer name -> size in bytes (computed once)."""
         return self.buffers()
 
+    @functools.cached_property
+    def backing(self) -> dict[str, int]:
+        """Buffer name -> bytes of the array backing it: an HBM allocation's size rounded up
+        (:func:`backing_bytes`); every core's scratchpad (and accumulators) the largest of them,
+        rounded up, so that the same instruction on any core is one signature."""
+        out = {k: backing_bytes(n) for k, n in self.sizes.items() if k.startswith("hbm:")}
+        for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes)):
+            top = backing_bytes(max((n for _, n in per_core), default=1))
+            out.update({f"{space}:{c}": top for c, _ in per_core})
+        return out
+
     def buffers(self) -> dict[str, int]:
         """Buffer name -> size in bytes."""
         out = {f"hbm:{a.name}": a.nbytes for a in self.hbm}
@@ -108,6 +123,15 @@ class MemoryLayout:
                 engine=str(ins.engine) if ins else None, source=ins.source if ins else None,
                 addresses=(tile.region(),), hint="allocate the tensor first (.alloc / kb.hbm)")
         return f"{tile.space.value}:{tile.core}", tile.offset
+
+
+def backing_bytes(n: int) -> int:
+    """Bytes backing a buffer of ``n`` bytes: the next power of two (at least 64) up to 1 MiB,
+    above it the next multiple of an eighth of the next power of two (at most 25 % more)."""
+    if n <= 1 << 20:
+        return max(64, 1 << (n - 1).bit_length())
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 # --- bytes <-> values -----------------------------------------------------------------------
@@ -375,7 +399,7 @@ def _init_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
 def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str, Any],
                      debug: bool) -> dict[str, np.ndarray]:
     fill = 0xFF if debug else 0
-    bufs = {k: np.full(n, fill, np.uint8) for k, n in layout.buffers().items()}
+    bufs = {k: np.full(n, fill, np.uint8) for k, n in layout.backing.items()}
     tensors = dict(dict(program.meta).get("tensors", {}))
     for init in program.inits:
         alloc = _hbm_alloc(program, init.name)
@@ -504,7 +528,7 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int
     slots: list[str] = []
     offsets: list[int] = []
     parts: list[Any] = [ins.mnemonic]
-    sizes = layout.sizes
+    sizes = layout.backing
     for name, value in ins.args:
         if isinstance(value, Tile):
             key, off = layout.locate(value, index=idx, ins=ins)
@@ -612,7 +636,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             ins = program.instructions[idx]
             raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
                               source=ins.source)
-        return FunctionalResult(program, layout, {k: np.asarray(v) for k, v in state.items()},
+        return FunctionalResult(program, layout, _trimmed(layout, state),
                                 *_probe_values(program, dict(zip(probe_at, probed, strict=True))))
     in_flight: dict[tuple[int, int], list[jax.Array]] = {}
     probed: dict[int, jax.Array] = {}
@@ -637,11 +661,17 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             ins = program.instructions[idx]
             raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
                               source=ins.source)
-    result = FunctionalResult(program, layout, {k: np.asarray(v) for k, v in state.items()},
+    result = FunctionalResult(program, layout, _trimmed(layout, state),
                               *_probe_values(program, probed))
     if progress is not None:
         progress(total, total)
     return result
+
+
+def _trimmed(layout: MemoryLayout, state: State) -> dict[str, np.ndarray]:
+    """Each buffer's bytes as a numpy array of its own size (without the backing's rounding)."""
+    sizes = layout.sizes
+    return {k: np.asarray(v)[:sizes[k]] for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=32)  # a tiny model's decode step runs about 10 distinct programs

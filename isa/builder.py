@@ -335,9 +335,23 @@ class Region:
         self.done: tuple[Semaphore, int] | None = None
         self._start = -1
         self._outer: Region | None = None
-        for f in fences:
-            if f not in self.fences:
-                self.fences.append(f)
+        # Fences another fence of the region implies (a closed region's done condition implies
+        # every fence it waited for): waiting for them again orders nothing. Without this, a fused
+        # step's regions collected the done conditions of every earlier region that had used
+        # their memory, on every core, and each engine waited for all of them (gpt-oss-120b:
+        # 192 waits in layer 0's first norm, 8,192 in layer 5's second).
+        self._covered: set[tuple[int, int]] = set()
+        self._take(fences)
+
+    def _take(self, fences: Any) -> list[tuple[int, int]]:
+        """Add the fences that neither the region's nor each other's imply; returns those added."""
+        implied = self.kb._implied
+        new = [f for f in dict.fromkeys(fences) if f not in self.fences]
+        for f in new:
+            self._covered.update(implied.get(f, ()))
+        new = [f for f in new if f not in self._covered]
+        self.fences.extend(new)
+        return new
 
     def __enter__(self) -> Region:
         if self.done is not None:
@@ -364,16 +378,17 @@ class Region:
         """Before the engine's first instruction in the region: wait for every fence."""
         self.engines[engine] = None
         wait = _LAYOUTS["sem.wait"]
-        for sem, value in self.fences:
-            wait.issue(self.kb, engine, (sem, value), f"{self.name}:fence")
+        covered = self._covered
+        for f in self.fences:
+            if f not in covered:  # (a fence added later may imply an earlier one)
+                wait.issue(self.kb, engine, f, f"{self.name}:fence")
 
     def add_fences(self, fences: Any) -> None:
         """Add fence conditions; engines already in the region wait for the new ones now (their
         later instructions are the ones that may touch what the fences guard)."""
-        new = [f for f in fences if f not in self.fences]
+        new = self._take(fences)
         if not new:
             return
-        self.fences.extend(new)
         if self.engines:
             if self.kb._region is not self:
                 raise InvalidArgumentError(f"fences added to region {self.name!r} while it is not entered")
@@ -394,6 +409,8 @@ class Region:
             for engine in list(self.engines):
                 signal.issue(self.kb, engine, (sem.id, 1), f"{self.name}:done")
         self.done = (sem, len(self.engines))
+        if self.engines:  # every engine signals after waiting for every fence: done implies them
+            self.kb._implied[(sem.id, len(self.engines))] = frozenset(self._covered.union(self.fences))
         return self.done
 
 
@@ -421,6 +438,8 @@ class KernelBuilder:
         self._buffers: dict[tuple[str, int, str], tuple[str, tuple[int, int]]] = {}
         self._region: Region | None = None  # the region being emitted into, if any
         self._regions: list[Region] = []
+        # A closed region's done condition -> every fence condition it implies (Region._take).
+        self._implied: dict[tuple[int, int], frozenset[tuple[int, int]]] = {}
         self.link = EngineHandle(self, Engine(-1, "link"))
 
     # --- regions --------------------------------------------------------------------------

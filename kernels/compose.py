@@ -361,6 +361,8 @@ class Composer:
             kb._alloc_names.discard((a.space, a.core, a.name))
             kb._tensors.pop(a.name, None)
         del kb._instructions[n_ins:], kb._allocs[n_alloc:], kb._sems[n_sem:], kb._regions[n_reg:]
+        for ready in [r for r in kb._implied if r[0] >= n_sem]:  # ids the next semaphores reuse
+            del kb._implied[ready]
         kb._next = nxt
         kb._region = None
         for k in set(self.ctx.consts) - consts:

@@ -32,7 +32,7 @@ from . import bindings
 from .config import ModelConfig
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 from .reference import deepseek_rope_tables, rope_tables
-from .timing import LayerTiming, StepTimer, sum_timings
+from .timing import LayerTiming, StepTimer, gc_paused, sum_timings
 from .weights import ModelWeights
 
 __all__ = ["DieModel", "StepResult"]
@@ -187,12 +187,17 @@ class DieModel:
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
         self._steps_run += 1
-        cfg = self.cfg
         # Known gap: a prefill chunk under layer fusion (activations through HBM between layer
         # programs) disagrees with the reference on tiny-gpt-oss, while step fusion and layer-fused
         # decode are bit-identical; until it is found, such chunks run launch by launch.
-        if self.fusion == "step" or (self.fusion == "layer" and step.phase == "decode"):
-            return self._forward_fused(step, ids, t0)
+        with gc_paused():  # a collection mid-step walks every Program built so far
+            if self.fusion == "step" or (self.fusion == "layer" and step.phase == "decode"):
+                return self._forward_fused(step, ids, t0)
+            return self._forward_launches(step, ids, t0)
+
+    def _forward_launches(self, step: Step, ids: np.ndarray, t0: float) -> StepResult:
+        """One step launch by launch, each its own program run functionally."""
+        cfg, s = self.cfg, ids.shape[1]
         (embed,) = head_launches(cfg, step)
         x = self.run(embed, {"table": self.w.embed, "ids": ids.reshape(-1, 1).astype(np.int32)})["out"]
         residual = np.zeros_like(x)

@@ -72,10 +72,14 @@ class MemoryLayout:
         for a in program.allocations:
             if a.space is not Space.HBM:
                 need[(a.space, a.core)] = max(need.get((a.space, a.core), 0), a.end)
-        for ins in program.instructions:
-            for _, t, _ in ins.tiles():
-                if t.space is not Space.HBM:
-                    need[(t.space, t.core)] = max(need.get((t.space, t.core), 0), t.end)
+        off_chip = Space.HBM
+        for ins in program.instructions:  # (the operands directly: a fused step has 30k of them)
+            for _, t in ins.args:
+                if type(t) is Tile and t.space is not off_chip:
+                    key = (t.space, t.core)
+                    end = t.end
+                    if end > need.get(key, 0):
+                        need[key] = end
         sram = tuple(sorted((c, n) for (s, c), n in need.items() if s is Space.SRAM))
         acc = tuple(sorted((c, n) for (s, c), n in need.items() if s is Space.ACC))
         return MemoryLayout(hbm, sram, acc)
@@ -535,7 +539,7 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int
             if key not in slots:
                 slots.append(key)
             offsets.append(off)
-            parts.append((name, slots.index(key), sizes[key], value.space, value.dtype, value.rows,
+            parts.append((name, slots.index(key), sizes[key], value.space.value, value.dtype, value.rows,
                           value.cols, value.stride))
         else:
             parts.append((name, value))
@@ -731,11 +735,19 @@ def _plan(program: Program, seed: int | None = None) -> tuple[MemoryLayout, list
             plan.append((idx, _PROBE, _template(t), layout.locate(t, index=idx, ins=ins)))
             continue
         sig, slots, offsets = _signature(ins, layout, idx)
-        plan.append((idx, _compiled_instruction(sig, _canonical(ins)), slots, offsets))
+        fn = _by_signature.get(sig)
+        if fn is None:  # (the canonical instruction is made only for a signature not seen yet)
+            if len(_by_signature) >= 1024:  # bounded like _compiled_instruction's own cache
+                _by_signature.clear()
+            fn = _by_signature[sig] = _compiled_instruction(sig, _canonical(ins))
+        plan.append((idx, fn, slots, offsets))
     return layout, plan
 
 
 _NO_DATA = frozenset({"sem.signal", "sem.wait", "barrier"})
+# Signature -> its compiled function, looked up before ``_compiled_instruction``'s own cache: that
+# one's key holds an example instruction, whose hashing was a third of a fused step's planning.
+_by_signature: dict[_Signature, Callable] = {}
 _PROBE = "probe"  # the plan's marker for a probe (its entry: index, _PROBE, template, location)
 
 

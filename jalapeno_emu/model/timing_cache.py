@@ -24,7 +24,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.files import atomic_write, cache_root
@@ -33,7 +33,7 @@ from jalapeno_emu.fingerprint import code_fingerprint, spec_fingerprint
 if TYPE_CHECKING:
     from jalapeno_emu.chip import ChipSpec
 
-__all__ = ["cache_directory", "cached_timing"]
+__all__ = ["cache_directory", "cached_timing", "is_cached"]
 
 T = TypeVar("T")
 
@@ -43,6 +43,32 @@ def cache_directory(spec: ChipSpec, root: str | os.PathLike[str] | None = None) 
     ``cache_root()``)."""
     base = Path(root) if root is not None else cache_root()
     return base / f"step-timings-{spec_fingerprint(spec)}-{code_fingerprint()}"
+
+
+def _path(question: tuple, spec: ChipSpec, disk_cache: bool | str | os.PathLike[str]) -> tuple[str, Path]:
+    key = repr(question)
+    directory = cache_directory(spec, None if disk_cache is True else disk_cache)
+    return key, directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pkl"
+
+
+def _read(key: str, path: Path) -> Any:
+    """The answer stored at ``path`` for ``key``, or ``_MISS``."""
+    try:
+        with open(path, "rb") as f:
+            stored_key, answer = pickle.load(f)
+        if stored_key == key:
+            return answer
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError):
+        pass  # absent, half-written by an older version, or from code that no longer unpickles
+    return _MISS
+
+
+_MISS = object()
+
+
+def is_cached(question: tuple, spec: ChipSpec, disk_cache: bool | str | os.PathLike[str] = True) -> bool:
+    """Whether :func:`cached_timing` would answer ``question`` from disk (reads the file)."""
+    return bool(disk_cache) and _read(*_path(question, spec, disk_cache)) is not _MISS
 
 
 def cached_timing(question: tuple, spec: ChipSpec, compute: Callable[[], T],
@@ -62,20 +88,14 @@ def cached_timing(question: tuple, spec: ChipSpec, compute: Callable[[], T],
     """
     if not disk_cache:
         return compute()
-    key = repr(question)
-    directory = cache_directory(spec, None if disk_cache is True else disk_cache)
-    path = directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pkl"
-    try:
-        with open(path, "rb") as f:
-            stored_key, answer = pickle.load(f)
-        if stored_key == key:
-            return answer
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError, ValueError):
-        pass  # absent, half-written by an older version, or from code that no longer unpickles
+    key, path = _path(question, spec, disk_cache)
+    answer = _read(key, path)
+    if answer is not _MISS:
+        return answer
     result = compute()
     payload = pickle.dumps((key, _without_timelines(result)), protocol=pickle.HIGHEST_PROTOCOL)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: f.write(payload))
     except (OSError, InvalidArgumentError):
         pass  # read-only or full disk, or not a regular file there: the next process times it again

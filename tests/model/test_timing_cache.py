@@ -32,7 +32,11 @@ def _count_builds(monkeypatch):
 
 def test_a_fused_step_is_timed_once_and_read_back_whole(tmp_path, monkeypatch):
     calls = _count_builds(monkeypatch)
+    question = ("model", CFG, STEP, "step")
+    assert not timing_cache.is_cached(question, SPEC, tmp_path)
     first = time_model(CFG, STEP, SPEC, fusion="step", disk_cache=tmp_path)
+    assert timing_cache.is_cached(question, SPEC, tmp_path)
+    assert not timing_cache.is_cached(question, SPEC, False)
     again = time_model(CFG, STEP, SPEC, fusion="step", disk_cache=tmp_path)
     assert calls == ["model"]
     assert again.as_dict() == first.as_dict()

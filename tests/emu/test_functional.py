@@ -195,3 +195,46 @@ def test_whole_program_mode_reports_data_dependent_errors_too():
     bad = {"T": np.zeros((16, 32), np.float32), "I": np.array([[3], [16], [0], [0]], np.int32)}
     with pytest.raises(OutOfBounds, match="gather index outside"):
         run_functional(kb.build(), bad, compile="program")
+
+
+def test_buffers_come_back_at_their_own_size_and_cores_share_compiled_functions():
+    """Backing arrays are rounded up (so nearby sizes and every core share compiled functions);
+    what a run returns is each buffer at its allocation's size, with the same values."""
+    from jalapeno_emu.emu import functional
+
+    kb = KernelBuilder("two_cores", chip="tiny")
+    x = kb.hbm("x", (3, 40), "f32")  # 480 B: backed by 512
+    y = kb.hbm("y", (3, 40), "f32")
+    bufs = [kb.sram(c, "v", (3, 40), "f32") for c in (0, 1)]
+    kb.sram(1, "pad", (5, 8), "f32")  # core 1's scratchpad reaches further than core 0's
+    for c, v in enumerate(bufs):
+        core, s = kb.core(c), kb.semaphore(f"s{c}")
+        core.dma[0].load(v, x)
+        core.dma[0].signal(s)
+        core.vpu.wait(s, 1)
+        core.vpu.exp(v, v)
+    done = kb.semaphore("done")
+    kb.core(1).vpu.signal(done)
+    kb.core(1).dma[1].wait(done, 1)
+    kb.core(1).dma[1].store(y, bufs[1])
+    prog = kb.build()
+    data = np.arange(120, dtype=np.float32).reshape(3, 40) / 50
+    result = run_functional(prog, {"x": data})
+    layout = functional.MemoryLayout.of(prog)
+    assert {k: v.size for k, v in result.buffers.items()} == layout.sizes
+    assert layout.backing["hbm:x"] == 512 and layout.backing["sram:0"] == layout.backing["sram:1"]
+    np.testing.assert_allclose(result.read("y"), np.exp(data), rtol=1e-6)  # (XLA's exp: 1 ulp)
+    _, plan = functional._plan(prog)
+    exps = [fn for idx, fn, _, _ in plan if prog.instructions[idx].mnemonic == "vec.unary"]
+    assert len(exps) == 2 and exps[0] is exps[1]  # one signature for both cores
+
+
+def test_a_program_hashes_once_and_again_where_it_is_unpickled():
+    import pickle
+
+    prog = matmul_tile_program()
+    h = hash(prog)
+    assert hash(prog) == h and prog.__dict__["_hash"] == h
+    copy = pickle.loads(pickle.dumps(prog))
+    assert "_hash" not in copy.__dict__  # a string's hash differs between processes
+    assert copy == prog and hash(copy) == h

@@ -192,3 +192,36 @@ def test_a_fused_gemv_streams_its_rest_off_the_queue_of_the_next_prefetches():
     (wa,) = [a for a in alone.allocations if a.space is Space.HBM and a.name == "w"]
     assert {ins.engine.queue for ins in alone.instructions if ins.mnemonic == "dma.load"
             and wa.offset <= ins.arg("src").offset < wa.offset + wa.nbytes} == {0, 1}
+
+
+def test_a_region_skips_fences_an_earlier_fence_implies_and_still_checks():
+    """Region b waited for a's done condition before signalling its own, so a region fenced by
+    both waits for b's alone; the program still checks (the order is transitive)."""
+    kb = KernelBuilder("chain", chip=TINY)
+    x = kb.hbm("x", (8, 64), "f32")
+    c0, c1 = kb.core(0), kb.core(1)
+    with kb.region("a") as ra:
+        buf = kb.sram(0, "buf", (8, 64), "f32")
+        c0.dma[0].load(buf, x)
+    a_done = ra.close()
+    with kb.region("b", fences=((a_done[0].id, a_done[1]),)) as rb:
+        c0.vpu.exp(buf, buf)
+    b_done = rb.close()
+    fences = ((a_done[0].id, a_done[1]), (b_done[0].id, b_done[1]))
+    with kb.region("c", fences=fences) as rc:
+        c0.vpu.exp(buf, buf)
+        other = kb.sram(1, "other", (8, 64), "f32")
+        c1.dma[0].load(other, x)
+    assert rc.fences == [(b_done[0].id, b_done[1])]
+    waits = [i for i in kb._instructions if i.mnemonic == "sem.wait" and i.source == "c:fence"]
+    assert len(waits) == 2 and {w.arg("sem") for w in waits} == {b_done[0].id}  # one per engine
+    c_done = rc.close()
+    # a fence added later that implies an earlier one: engines entering afterwards skip the earlier
+    with kb.region("d", fences=((a_done[0].id, a_done[1]),)) as rd:
+        c0.vpu.exp(buf, buf)
+        rd.add_fences([(c_done[0].id, c_done[1])])
+        c1.vpu.exp(kb.sram(1, "more", (8, 64), "f32"), other)
+    late = [i for i in kb._instructions if i.mnemonic == "sem.wait" and i.source == "d:fence"
+            and i.engine.core == 1]
+    assert [w.arg("sem") for w in late] == [c_done[0].id]
+    check_program(kb.build(), TINY)

@@ -361,11 +361,22 @@ _BINARY: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 
 # --- running a program ----------------------------------------------------------------------
 def _hbm_alloc(program: Program, name: str) -> Allocation:
-    for a in program.allocations:
-        if a.space is Space.HBM and a.name == name:
-            return a
+    hit = _hbm_by_name(program).get(name)
+    if hit is not None:
+        return hit
     names = sorted(a.name for a in program.allocations if a.space is Space.HBM)
     raise InvalidArgumentError(f"no HBM allocation named {name!r}; the program has {names}")
+
+
+@functools.lru_cache(maxsize=16)
+def _hbm_by_name(program: Program) -> dict[str, Allocation]:
+    """Name -> HBM allocation (the first of a name), made once: a fused step binds hundreds of
+    inputs among tens of thousands of on-chip allocations."""
+    out: dict[str, Allocation] = {}
+    for a in program.allocations:
+        if a.space is Space.HBM:
+            out.setdefault(a.name, a)
+    return out
 
 
 def _to_bytes(value: Any, dtype: str | None) -> np.ndarray:

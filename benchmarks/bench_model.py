@@ -45,30 +45,23 @@ def timing_only(model: str, batch: int, context: int) -> dict:
             "step_time_s": report.totals["time_s"], "goal_s": 2.0}
 
 
-def functional(model: str, repeats: int, fusion: str = "none", whole_after: int | None = None) -> dict:
+def functional(model: str, repeats: int, fusion: str = "none", compile: str = "program") -> dict:
     """Warm decode-step wall time (s, best of ``repeats``) on the die against the whole-step
     jitted reference, same weights and cache capacity; ratio = die / reference.
 
-    ``whole_after``: the die's ``WHOLE_PROGRAM_AFTER_STEPS`` for this run (None: the default; a
-    huge number runs every launch per instruction, as before recurring launches compiled whole).
+    ``compile``: the die's policy for its launches' programs ("program": the recurring ones
+    compiled whole from their second step, the steady state "auto" reaches on a long run;
+    "instruction": every launch per instruction signature).
     """
-    import jalapeno_emu.model.die as die_module
-
-    default_after = die_module.WHOLE_PROGRAM_AFTER_STEPS
-    if whole_after is not None:
-        die_module.WHOLE_PROGRAM_AFTER_STEPS = whole_after
-    try:
-        return _functional(model, repeats, fusion)
-    finally:
-        die_module.WHOLE_PROGRAM_AFTER_STEPS = default_after
+    return _functional(model, repeats, fusion, compile)
 
 
-def _functional(model: str, repeats: int, fusion: str) -> dict:
+def _functional(model: str, repeats: int, fusion: str, compile: str) -> dict:
     cfg = load_model_config(model)
     w = init_weights(cfg, 0)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab, (1, 32))
     total = 32 + 3 + repeats
-    die = DieModel(cfg, w, batch=1, max_positions=total, fusion=fusion)
+    die = DieModel(cfg, w, batch=1, max_positions=total, fusion=fusion, compile=compile)
     ref = ReferenceModel(cfg, w, batch=1, max_positions=total, jit="step")
     die.forward(prompt)
     ref.forward(prompt)
@@ -108,7 +101,7 @@ def main() -> None:
           f"({t['distinct_launches']} distinct launches for {t['layers']} layers; goal <= 2 s); "
           f"step {t['step_time_s'] * 1e3:.3f} ms on the die")
     f = functional(args.model, args.repeats, args.fusion)
-    p = functional(args.model, args.repeats, args.fusion, whole_after=10**9)
+    p = functional(args.model, args.repeats, args.fusion, compile="instruction")
     for label, r in (("recurring launches compiled whole", f), ("every launch per instruction", p)):
         print(f"functional {args.model} decode step (fusion {r['fusion']}, {label}): die "
               f"{r['die_step_s'] * 1e3:.1f} ms ({r['die_functional_only_s'] * 1e3:.1f} ms of it running "

@@ -39,11 +39,13 @@ __all__ = ["DieModel", "StepResult"]
 
 _BF16 = ml_dtypes.bfloat16
 
-WHOLE_PROGRAM_AFTER_STEPS = 2
-"""A launch's program runs compiled whole (``run_functional(compile="program")``) from the
-second step it runs in: by then it is known to recur (a decode step's launches but attention and
-the cache append, whose shapes hold the context). Tiny-gpt-oss on 2 cores: the MoE launch 8 -> 2.5
-ms a run, each whole compilation 0.1-0.35 s once (``benchmarks/bench_model.py``)."""
+WHOLE_COMPILE_S_PER_INSTRUCTION = 1.7e-3
+"""Host seconds that compiling a launch's program whole costs per instruction, with JAX's
+persistent cache warm (tiny-gpt-oss on 2 cores: the MoE's 494 instructions 0.86 s, a 112-
+instruction GEMM 0.18 s). ``compile="auto"`` weighs the time a launch has spent running
+instruction by instruction against this estimate."""
+
+COMPILE_POLICIES = ("auto", "instruction", "program")
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,19 @@ class DieModel:
         fusion: "none" (every launch its own program), "layer" (a fused program per layer) or
             "step" (each step one fused program); see ``model.fused``. Results are bit-identical
             whatever the fusion (same kernels, same arithmetic).
+        compile: how an unfused launch's program is compiled for its functional runs, which
+            gives the same bytes every way: "instruction" (one function per instruction
+            signature: quick to start), "program" (the whole program one function from the
+            second step the launch runs in: a decode step's launches recur, but for attention
+            and the cache append, whose shapes hold the context), or "auto" (default): whole
+            once the launch has spent, running instruction by instruction after its first
+            run, as long as compiling it whole would take (``WHOLE_COMPILE_S_PER_INSTRUCTION``;
+            the rent-or-buy rule, never more than twice the better of the two in hindsight).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,
-                 preset: str | ChipSpec = "jalapeno-v1", fusion: str = "none") -> None:
+                 preset: str | ChipSpec = "jalapeno-v1", fusion: str = "none", compile: str = "auto"
+                 ) -> None:
         if batch < 1 or max_positions < 1:
             raise InvalidArgumentError(f"batch {batch} and max_positions {max_positions} must be >= 1")
         self.cfg, self.w, self.batch, self.cap = cfg, weights, batch, max_positions
@@ -99,12 +110,16 @@ class DieModel:
         if fusion not in ("none", "layer", "step"):
             raise InvalidArgumentError(f"fusion {fusion!r} is not one of none, layer, step")
         self.fusion = fusion
+        if compile not in COMPILE_POLICIES:
+            raise InvalidArgumentError(f"compile {compile!r} is not one of {', '.join(COMPILE_POLICIES)}")
+        self.compile = compile
         self.timer = StepTimer(self.spec)
         self._fused = None
         self.length = 0
         self._builds: dict[tuple[str, tuple], _Prepared] = {}
         self._steps_run = 0  # forward calls begun, to tell programs that recur across steps
         self._seen: dict[tuple[str, tuple], tuple[int, int]] = {}  # key -> (last step, steps run in)
+        self._spent: dict[tuple[str, tuple], float] = {}  # key -> s run per instruction (not the first)
         if cfg.attention == "gqa":
             shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
             self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
@@ -148,24 +163,29 @@ class DieModel:
             if want is not None and got is not None and tuple(got) != want:
                 raise InvalidArgumentError(f"{launch.label} ({launch.kernel}): input {name!r} has shape "
                                            f"{tuple(got)}, the program's tensor is {want}")
-        result = run_functional(prep.build.program, {**prep.consts, **data},
-                                compile=self._compile_mode((launch.kernel, launch.shape)))
+        key = (launch.kernel, launch.shape)
+        mode = self._compile_mode(key, len(prep.build.program.instructions))
+        t0 = time.perf_counter()
+        result = run_functional(prep.build.program, {**prep.consts, **data}, compile=mode)
+        if mode == "instruction":  # (its first run compiles the signatures: not what a run costs)
+            elapsed = time.perf_counter() - t0
+            self._spent[key] = self._spent[key] + elapsed if key in self._spent else 0.0
         return {name: result.read(name, dt, shp, space="hbm")
                 for name, (dt, shp) in prep.build.outputs.items()}
 
-    def _compile_mode(self, key: tuple[str, tuple]) -> str:
-        """How to compile a launch's program: whole (one jitted call per run) once it has run in
-        :data:`WHOLE_PROGRAM_AFTER_STEPS` steps, one function per instruction signature before.
-
-        A decode step's launches repeat every step except those whose shape holds the context
-        (attention, the cache append), which are new programs each step: compiling those whole
-        would cost more than it saves, and per-instruction compilation reuses their signatures.
-        """
+    def _compile_mode(self, key: tuple[str, tuple], instructions: int) -> str:
+        """How this run of the launch ``key`` (a program of ``instructions``) is compiled; see
+        the ``compile`` argument."""
         last, steps = self._seen.get(key, (-1, 0))
         if last != self._steps_run:
             last, steps = self._steps_run, steps + 1
             self._seen[key] = (last, steps)
-        return "program" if steps >= WHOLE_PROGRAM_AFTER_STEPS else "instruction"
+        if self.compile == "instruction" or steps < 2:
+            return "instruction"
+        if self.compile == "program":
+            return "program"
+        spent = self._spent.get(key, 0.0)
+        return "program" if spent >= WHOLE_COMPILE_S_PER_INSTRUCTION * instructions else "instruction"
 
     def tensor_shape(self, launch: Launch, name: str) -> tuple[int, ...]:
         """The HBM shape the launch's program records for tensor ``name``."""

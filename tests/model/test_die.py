@@ -89,35 +89,43 @@ def test_bad_requests_are_refused():
 
 
 def test_recurring_launches_run_compiled_whole_with_the_same_logits(monkeypatch):
-    """From its second step a launch that recurs runs as one compiled program; the logits stay
-    bit-identical to per-instruction runs, and launches new each step (attention, the append:
-    their shapes hold the context) stay per-instruction."""
+    """compile="program": from its second step a launch that recurs runs as one compiled program;
+    the logits stay bit-identical to per-instruction runs, and launches new each step (attention,
+    the append: their shapes hold the context) stay per-instruction. compile="auto" switches a
+    launch once its per-instruction runs have cost what compiling it whole would."""
     from jalapeno_emu.model import die as die_module
 
     cfg = load_model_config("tiny-gpt-oss")
     w = init_weights(cfg, 0)
-    modes: list[tuple[int, str, str]] = []
+    modes: list[tuple[str, str]] = []
     real = die_module.run_functional
 
     def spy(program, inputs=None, **kw):
-        modes.append((len(modes), program.name, kw.get("compile", "instruction")))
+        modes.append((program.name, kw.get("compile", "instruction")))
         return real(program, inputs, **kw)
 
     monkeypatch.setattr(die_module, "run_functional", spy)
 
-    def logits(after: int) -> list[np.ndarray]:
-        monkeypatch.setattr(die_module, "WHOLE_PROGRAM_AFTER_STEPS", after)
-        die = DieModel(cfg, w, batch=1, max_positions=4, preset="tiny", fusion="none")
+    def logits(policy: str) -> list[np.ndarray]:
+        modes.clear()
+        die = DieModel(cfg, w, batch=1, max_positions=4, preset="tiny", fusion="none", compile=policy)
         return [die.forward(np.array([[t]])).logits for t in (3, 7, 11)]
 
-    per_instruction = logits(10**9)
-    assert {m for _, _, m in modes} == {"instruction"}
-    modes.clear()
-    mixed = logits(2)
-    for a, b in zip(per_instruction, mixed, strict=True):
+    per_instruction = logits("instruction")
+    assert {m for _, m in modes} == {"instruction"}
+    whole = logits("program")
+    for a, b in zip(per_instruction, whole, strict=True):
         assert np.array_equal(a, b)
-    whole = {name for _, name, m in modes if m == "program"}
-    assert any(n.startswith("moe") for n in whole) and any(n.startswith("rmsnorm") for n in whole)
-    assert not any(n.startswith(("attention", "kv_append")) for n in whole)
-    per_step = len(modes) // 3
-    assert all(m == "instruction" for _, _, m in modes[:per_step])  # nothing recurs yet
+    compiled = {name for name, m in modes if m == "program"}
+    assert any(n.startswith("moe") for n in compiled) and any(n.startswith("rmsnorm") for n in compiled)
+    assert not any(n.startswith(("attention", "kv_append")) for n in compiled)
+    assert all(m == "instruction" for _, m in modes[:len(modes) // 3])  # nothing recurs yet
+    # auto: an estimate of ~0 s to compile switches at once; a huge one never
+    monkeypatch.setattr(die_module, "WHOLE_COMPILE_S_PER_INSTRUCTION", 0.0)
+    logits("auto")
+    assert {n for n, m in modes if m == "program"} == compiled
+    monkeypatch.setattr(die_module, "WHOLE_COMPILE_S_PER_INSTRUCTION", 1e9)
+    logits("auto")
+    assert {m for _, m in modes} == {"instruction"}
+    with pytest.raises(InvalidArgumentError, match="compile 'jit'"):
+        DieModel(cfg, w, batch=1, max_positions=4, preset="tiny", compile="jit")

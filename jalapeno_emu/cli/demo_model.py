@@ -179,7 +179,7 @@ def run_model_demo(app: App, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cache = not args.no_cache
     # Cold, the full-size timings (building two fused steps) take as long as the tiny model's
-    # compilation: on a second CPU they overlap it (first run on 2 cores: 49 -> 32 s).
+    # compilation: on a second CPU they overlap it (first run on 2 cores: 49 -> 28 s).
     background = _start_in_background(app, cache)
     doc = {"tiny": _tiny_section(app, args)}
     full, rack = _collect(background)

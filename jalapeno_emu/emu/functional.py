@@ -7,10 +7,11 @@ defined once below. Instructions run in ``schedule.sequential_order``; each is o
 jitted function compiled once per *signature* (mnemonic, operand shapes and dtypes, buffer sizes)
 with the byte offsets passed as data, so a kernel's loop body compiles once however many times it
 is unrolled. A buffer is backed by a few bytes more than it holds (its size rounded up to a power
-of two, or to an eighth of one above 1 MiB; ``MemoryLayout.backing``): buffers of nearby sizes then
-share compiled functions (a fused tiny-gpt-oss prefill step: 443 signatures with exact sizes,
-far fewer rounded), and each JAX compilation, even one found in the persistent cache, costs
-tens of milliseconds of tracing. Results are trimmed back to the allocations' sizes.
+of two, or to an eighth of one above 1 MiB; every core's scratchpad as large as the largest;
+``MemoryLayout.backing``): the same instruction on any core, or on buffers of nearby sizes, is
+then one signature (a fused tiny-gpt-oss prefill step: 443 signatures with exact sizes, 113
+rounded), and each compilation, even one JAX's persistent cache holds, costs about 15 ms of
+tracing and lowering. Results are trimmed back to the allocations' sizes.
 
 Uninitialised memory is zero, or, with ``debug=True``, 0xFF bytes: NaN in every float type and a
 NaN E8M0 scale, so a read of memory nothing wrote shows up as NaN in the results.

@@ -97,7 +97,7 @@ class DieModel:
             and the cache append, whose shapes hold the context), or "auto" (default): whole
             once the launch has spent, running instruction by instruction after its first
             run, as long as compiling it whole would take (``WHOLE_COMPILE_S_PER_INSTRUCTION``;
-            the rent-or-buy rule, never more than twice the better of the two in hindsight).
+            the rent-or-buy rule: a short run does not pay for compiles it cannot earn back).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, *, batch: int, max_positions: int,

@@ -69,11 +69,13 @@ Two regimes on jalapeno-v1:
   and the matrix unit keeps up. The matrix unit prices a step of 128 rows whatever m is, so its
   time is n*k/(128*32*cores) steps of 8 (fp4 x fp4), 16 (fp8 x fp4) or 32 (bf16) cycles: fp4 x fp4
   has 2x headroom over HBM, fp8e4 x fp4 just about keeps pace, bf16 x fp4 is compute-bound at
-  half of HBM speed. Fixed costs of ~5 us (launch 2 us, the first load's set-up and HBM latency
-  1.5 us, the store's 1.5 us, the last matmul) cap a 256 MiB GEMV (20.6 us of transfer) near
-  80 % of achievable bandwidth: 285 MB (MXFP4 codes and scales) in 2 + 1.5 + 20.6 + 1.5 us is
-  80.2 %, and we get 79.5 % (MXFP8 weights with MXFP8 x 79.0 %, BF16 x BF16 78.5 %: fewer
-  scale bytes against the same fixed costs); 512 MiB reaches 89 %. At real layer sizes
+  half of HBM speed. Fixed costs cap a 256 MiB GEMV (20.6 us of transfer): 285 MB (MXFP4 codes
+  and scales, 16384 x 32768, fp8 x) takes 28.4 us, 72.5 % of achievable bandwidth: launch 2 us;
+  3.5 us until the first matmul (every core's prefetch burst, about 0.93 MB, passes its DMA port
+  in FIFO order, the first chunk behind the resident W scales); then one 64 KB chunk per 0.32 us,
+  the matrix unit at m = 1 pacing it against 0.30 us of the core's HBM share; the store 1.9 us.
+  Loading the first chunk's scales on their own made it later (28.9 us: the second chunk then
+  waits for the rest). At real layer sizes
   (gpt-oss k=2880, n=5760: 8.8 MB, 0.6 us of HBM time) the kernel is latency-bound at ~7-9 us.
 - Prefill GEMM (m, n, k >= 4096): 512 x 1024 output blocks (the whole 2 MiB accumulator) give
   4*512*1024/(512+1024) = 1365 FLOP per MXFP4 byte, above the ~970 a core needs to stay

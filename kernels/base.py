@@ -372,12 +372,34 @@ class KernelDef:
         # builds through ``kdef.build``: checking here refuses an oversized shape before any of
         # them spends minutes building it, whichever path it came by.
         @functools.wraps(raw)
-        def build(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
+        def build(shape: Mapping[str, Any], spec: ChipSpec | str) -> KernelBuild:
+            if isinstance(spec, str):
+                from jalapeno_emu.chip import load_preset
+
+                spec = load_preset(spec)
+            shape = self._completed(shape)
             self.check_shape(shape, spec)
             return raw(shape, spec)
 
         build._checks_shape = True  # type: ignore[attr-defined]
         object.__setattr__(self, "build", build)
+
+    def _completed(self, shape: Mapping[str, Any]) -> dict[str, Any]:
+        """``shape`` with its missing keys at their defaults and formats in the kernel's spelling
+        (a library caller's ``{"m": 1, "weight_fmt": "e2m1"}`` builds as the CLI's would).
+
+        Raises:
+            InvalidArgumentError: a key the kernel does not have, or a value its key refuses.
+        """
+        keys = {k.name: k for k in self.shape_keys}
+        unknown = sorted(set(shape) - set(keys))
+        if unknown:
+            raise InvalidArgumentError(
+                f"kernel {self.name} has no shape key {unknown[0]!r}; keys: {sorted(keys)}")
+        out = {name: k.default for name, k in keys.items() if name not in shape}
+        for name, value in shape.items():
+            out[name] = keys[name].normalize(value, self.name)
+        return out
 
     def defaults(self, *, timing_only: bool = False) -> dict[str, Any]:
         """The default (small) shape; with ``timing_only``, updated with ``timing_defaults``."""

@@ -138,3 +138,14 @@ def test_cli_refuses_an_oversized_shape_with_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: kernel moe: shape key hidden=2147483648 is above its limit of 65,536")
     assert "Traceback" not in err
+
+
+def test_a_library_build_fills_defaults_takes_either_spelling_and_a_preset_name():
+    gemm = get_kernel("gemm")
+    full = gemm.build(gemm.shape({"m": 1, "n": 256, "k": 256, "weight_fmt": "fp4"}), load_preset("tiny"))
+    partial = gemm.build({"m": 1, "n": 256, "k": 256, "weight_fmt": "e2m1"}, "tiny")
+    assert partial.program == full.program
+    with pytest.raises(InvalidArgumentError, match="no shape key 'bogus'"):
+        gemm.build({"m": 1, "bogus": 3}, "tiny")
+    with pytest.raises(InvalidArgumentError, match="weight_fmt='e9m9'"):
+        gemm.build({"weight_fmt": "e9m9"}, "tiny")

@@ -120,6 +120,7 @@ class DieModel:
         self._steps_run = 0  # forward calls begun, to tell programs that recur across steps
         self._seen: dict[tuple[str, tuple], tuple[int, int]] = {}  # key -> (last step, steps run in)
         self._spent: dict[tuple[str, tuple], float] = {}  # key -> s run per instruction (not the first)
+        self._used: dict[tuple[str, tuple], int] = {}  # key -> the last step that built or ran it
         if cfg.attention == "gqa":
             shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
             self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
@@ -135,6 +136,7 @@ class DieModel:
     def _build(self, launch: Launch) -> _Prepared:
         """The launch's KernelBuild with what every run of it needs, made once per distinct launch."""
         key = (launch.kernel, launch.shape)
+        self._used[key] = self._steps_run
         hit = self._builds.get(key)
         if hit is None:
             build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
@@ -173,6 +175,15 @@ class DieModel:
         return {name: result.read(name, dt, shp, space="hbm")
                 for name, (dt, shp) in prep.build.outputs.items()}
 
+    def _forget_old_launches(self) -> None:
+        """Drop the builds (and compile statistics) of launches the last step did not use: the
+        attention and the cache append of each earlier context, which no later step asks for
+        again (a long generation kept one of each per token)."""
+        stale = [k for k, last in self._used.items() if last < self._steps_run - 1]
+        for k in stale:
+            for table in (self._used, self._builds, self._seen, self._spent):
+                table.pop(k, None)
+
     def _compile_mode(self, key: tuple[str, tuple], instructions: int) -> str:
         """How this run of the launch ``key`` (a program of ``instructions``) is compiled; see
         the ``compile`` argument."""
@@ -207,6 +218,7 @@ class DieModel:
                 Step("prefill", batch=self.batch, seq=s, prior=self.length, routing="any"))
         t0 = time.perf_counter()
         self._steps_run += 1
+        self._forget_old_launches()
         # Known gap: a prefill chunk under layer fusion (activations through HBM between layer
         # programs) disagrees with the reference on tiny-gpt-oss, while step fusion and layer-fused
         # decode are bit-identical; until it is found, such chunks run launch by launch.

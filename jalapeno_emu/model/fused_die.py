@@ -50,6 +50,10 @@ class FusedStep:
             key = (step, layers, head, tail)
             fb = self._builds.get(key)
             if fb is None:
+                # A step's programs serve that step alone (its run and its timing): the next
+                # step's context differs, so the builds of any other step are dropped.
+                for old in [k for k in self._builds if k[0] != step]:
+                    del self._builds[old]
                 fb = build_fused(cfg, step, self.die.spec, layers=layers, head=head, tail=tail,
                                  name=f"{cfg.name}_{step.phase}_fused")
                 replanned = [o.label for o in fb.composer.ops if o.replanned]

@@ -129,3 +129,20 @@ def test_recurring_launches_run_compiled_whole_with_the_same_logits(monkeypatch)
     assert {m for _, m in modes} == {"instruction"}
     with pytest.raises(InvalidArgumentError, match="compile 'jit'"):
         DieModel(cfg, w, batch=1, max_positions=4, preset="tiny", compile="jit")
+
+
+def test_builds_of_earlier_contexts_are_dropped():
+    """Each decode step's attention and append are new programs (their shapes hold the context):
+    the die keeps those of the last two steps only, so a long generation's memory does not grow."""
+    cfg = load_model_config("tiny-gpt-oss")
+    die = DieModel(cfg, init_weights(cfg, 0), batch=1, max_positions=6, preset="tiny", fusion="none",
+                   compile="instruction")
+    for t in range(5):
+        die.forward(np.array([[t]]))
+        contexts = {dict(shape)["context"] for kernel, shape in die._builds if kernel == "attention-decode"}
+        assert contexts == {t, t + 1} - {0}
+    assert any(kernel == "moe" for kernel, _ in die._builds)  # what recurs stays
+    fused = DieModel(cfg, init_weights(cfg, 0), batch=1, max_positions=4, preset="tiny", fusion="step")
+    for t in range(3):
+        fused.forward(np.array([[t]]))
+        assert {key[0].context for key in fused._fused._builds} == {t + 1}

@@ -558,8 +558,21 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int
     return tuple(parts), tuple(slots), np.asarray(offsets, np.int32)
 
 
-@functools.lru_cache(maxsize=1024)
-def _compiled_instruction(sig: _Signature, example: Instruction) -> Callable:
+def _compiled_instruction(sig: _Signature, ins: Instruction) -> Callable:
+    """The jitted (buffers..., offsets) -> (buffers..., flags) of every instruction of ``sig``,
+    ``ins`` one of them; the last ``_COMPILED_MAX`` signatures used are kept. (Keyed by the
+    signature alone: a key holding an example instruction cost a third of a fused step's
+    planning to hash.)"""
+    fn = _by_signature.pop(sig, None)
+    if fn is None:
+        if len(_by_signature) >= _COMPILED_MAX:
+            del _by_signature[next(iter(_by_signature))]  # the least recently used
+        fn = _compile_instruction(sig, _canonical(ins))
+    _by_signature[sig] = fn  # (re-inserted: the most recently used comes last)
+    return fn
+
+
+def _compile_instruction(sig: _Signature, example: Instruction) -> Callable:
     """A jitted (buffers..., offsets) -> (buffers..., flags) for every instruction of ``sig``."""
     tile_names = [name for name, v in example.args if isinstance(v, Tile)]
     slot_of = {p[0]: p[1] for p in sig[1:] if isinstance(p, tuple) and len(p) == 8}
@@ -747,19 +760,13 @@ def _plan(program: Program, seed: int | None = None) -> tuple[MemoryLayout, list
             plan.append((idx, _PROBE, _template(t), layout.locate(t, index=idx, ins=ins)))
             continue
         sig, slots, offsets = _signature(ins, layout, idx)
-        fn = _by_signature.get(sig)
-        if fn is None:  # (the canonical instruction is made only for a signature not seen yet)
-            if len(_by_signature) >= 1024:  # bounded like _compiled_instruction's own cache
-                _by_signature.clear()
-            fn = _by_signature[sig] = _compiled_instruction(sig, _canonical(ins))
-        plan.append((idx, fn, slots, offsets))
+        plan.append((idx, _compiled_instruction(sig, ins), slots, offsets))
     return layout, plan
 
 
 _NO_DATA = frozenset({"sem.signal", "sem.wait", "barrier"})
-# Signature -> its compiled function, looked up before ``_compiled_instruction``'s own cache: that
-# one's key holds an example instruction, whose hashing was a third of a fused step's planning.
-_by_signature: dict[_Signature, Callable] = {}
+_COMPILED_MAX = 1024
+_by_signature: dict[_Signature, Callable] = {}  # signature -> compiled function, least recent first
 _PROBE = "probe"  # the plan's marker for a probe (its entry: index, _PROBE, template, location)
 
 

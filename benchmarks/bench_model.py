@@ -53,10 +53,6 @@ def functional(model: str, repeats: int, fusion: str = "none", compile: str = "p
     compiled whole from their second step, the steady state "auto" reaches on a long run;
     "instruction": every launch per instruction signature).
     """
-    return _functional(model, repeats, fusion, compile)
-
-
-def _functional(model: str, repeats: int, fusion: str, compile: str) -> dict:
     cfg = load_model_config(model)
     w = init_weights(cfg, 0)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab, (1, 32))

@@ -68,24 +68,18 @@ def rack_points(disk_cache: bool) -> list[dict[str, Any]]:
     return rack_estimate("gpt-oss-120b", "jalapeno-v1", ISL, OSL, (1, 64), disk_cache=disk_cache)
 
 
-def _full_and_rack(disk_cache: bool, batches: tuple[int, ...]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    return full_size_steps(disk_cache, batches), rack_points(disk_cache)
+def _full_and_rack(disk_cache: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    return full_size_steps(disk_cache), rack_points(disk_cache)
 
 
-def _cold_batches(disk_cache: bool) -> tuple[int, ...]:
-    """The batches whose full-size step timing is not on disk yet (all of them without a cache)."""
-    if not disk_cache:
-        return BATCHES
-    from jalapeno_emu.chip import load_preset
+def _all_on_disk(disk_cache: bool) -> bool:
+    """Whether every full-size step timing the demo shows is on disk already."""
     from jalapeno_emu.model import Step, load_model_config
-    from jalapeno_emu.model.timing import resolve_fusion
-    from jalapeno_emu.model.timing_cache import is_cached
+    from jalapeno_emu.model.timing import model_timing_on_disk
 
-    cfg, spec = load_model_config("gpt-oss-120b"), load_preset("jalapeno-v1")
-    fusion = resolve_fusion(None, spec)
-    return tuple(b for b in BATCHES
-                 if fusion == "none"
-                 or not is_cached(("model", cfg, Step("decode", batch=b, context=8192), fusion), spec))
+    cfg = load_model_config("gpt-oss-120b")
+    return disk_cache and all(model_timing_on_disk(cfg, Step("decode", batch=b, context=8192), "jalapeno-v1")
+                              for b in BATCHES)
 
 
 def _start_in_background(app: App, disk_cache: bool) -> Any:
@@ -94,15 +88,14 @@ def _start_in_background(app: App, disk_cache: bool) -> Any:
     otherwise (warm: reading the caches here is quicker than starting a process)."""
     import os
 
-    cold = _cold_batches(disk_cache)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not cold or cpus < 2:
+    if cpus < 2 or _all_on_disk(disk_cache):
         return None
     from jalapeno_emu.parallel import LocalPool
 
     pool = LocalPool(1)
     app.status("timing gpt-oss-120b at full size and on the rack in a second process meanwhile")
-    future = pool.submit(_full_and_rack, disk_cache, BATCHES)
+    future = pool.submit(_full_and_rack, disk_cache)
     pool.shutdown(wait=False)  # the process ends once the task is done
     return future
 

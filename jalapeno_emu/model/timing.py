@@ -325,7 +325,7 @@ def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1
         from .fused_timing import fused_model_timing
         from .timing_cache import cached_timing
 
-        return cached_timing(("model", cfg, step, fusion), timer.spec,
+        return cached_timing(_model_question(cfg, step, fusion), timer.spec,
                              lambda: fused_model_timing(cfg, step, timer.spec, fusion), disk_cache)
     plans: dict[tuple[Launch, ...], list[int]] = {}
     for layer in range(cfg.layers):
@@ -341,6 +341,22 @@ def time_model(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1
     fp = footprint(cfg, timer.spec, batch=step.batch, tokens=step.positions)
     return ModelTiming(model=cfg.name, preset=timer.spec.name, step=step, head=head, tail=tail, groups=groups,
                        totals=totals, footprint=fp, distinct_launches=timer.distinct_launches)
+
+
+def _model_question(cfg: ModelConfig, step: Step, fusion: str) -> tuple:
+    """What :func:`time_model` asks ``model.timing_cache`` for a fused step."""
+    return ("model", cfg, step, fusion)
+
+
+def model_timing_on_disk(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "jalapeno-v1", *,
+                         fusion: str | None = None) -> bool:
+    """Whether :func:`time_model` with ``disk_cache=True`` would read this step's timing from
+    disk rather than build it (always False for unfused steps, which the cache does not keep)."""
+    from .timing_cache import is_cached
+
+    spec = load_preset(spec) if isinstance(spec, str) else spec
+    fusion = resolve_fusion(fusion, spec)
+    return fusion != "none" and is_cached(_model_question(cfg, step, fusion), spec)
 
 
 def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str]) -> None:

@@ -76,3 +76,14 @@ def test_the_model_command_caches_unless_told_not_to(tmp_path, monkeypatch, caps
     assert main(argv) == 0
     written = list(tmp_path.glob("step-timings-*/*.pkl"))
     assert len(written) == (0 if extra else 1)
+
+
+def test_model_timing_on_disk_says_what_time_model_would_read(tmp_path, monkeypatch):
+    from jalapeno_emu.model.timing import model_timing_on_disk
+
+    monkeypatch.setenv("JALAPENO_EMU_CACHE_DIR", str(tmp_path))
+    assert not model_timing_on_disk(CFG, STEP, SPEC, fusion="step")
+    time_model(CFG, STEP, SPEC, fusion="step", disk_cache=True)
+    assert model_timing_on_disk(CFG, STEP, SPEC, fusion="step")
+    assert not model_timing_on_disk(CFG, STEP, SPEC, fusion="layer")
+    assert not model_timing_on_disk(CFG, STEP, SPEC, fusion="none")  # unfused steps are not kept

@@ -118,9 +118,8 @@ class DieModel:
         self.length = 0
         self._builds: dict[tuple[str, tuple], _Prepared] = {}
         self._steps_run = 0  # forward calls begun, to tell programs that recur across steps
-        self._seen: dict[tuple[str, tuple], tuple[int, int]] = {}  # key -> (last step, steps run in)
+        self._seen: dict[tuple[str, tuple], tuple[int, int]] = {}  # key -> (last step, steps used in)
         self._spent: dict[tuple[str, tuple], float] = {}  # key -> s run per instruction (not the first)
-        self._used: dict[tuple[str, tuple], int] = {}  # key -> the last step that built or ran it
         if cfg.attention == "gqa":
             shape = (batch, cfg.kv_heads, max_positions, cfg.head_dim)
             self.k_cache = [np.zeros(shape, _BF16) for _ in range(cfg.layers)]
@@ -136,7 +135,9 @@ class DieModel:
     def _build(self, launch: Launch) -> _Prepared:
         """The launch's KernelBuild with what every run of it needs, made once per distinct launch."""
         key = (launch.kernel, launch.shape)
-        self._used[key] = self._steps_run
+        last, steps = self._seen.get(key, (-1, 0))
+        if last != self._steps_run:
+            self._seen[key] = (self._steps_run, steps + 1)
         hit = self._builds.get(key)
         if hit is None:
             build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
@@ -179,18 +180,15 @@ class DieModel:
         """Drop the builds (and compile statistics) of launches the last step did not use: the
         attention and the cache append of each earlier context, which no later step asks for
         again (a long generation kept one of each per token)."""
-        stale = [k for k, last in self._used.items() if last < self._steps_run - 1]
+        stale = [k for k, (last, _) in self._seen.items() if last < self._steps_run - 1]
         for k in stale:
-            for table in (self._used, self._builds, self._seen, self._spent):
+            for table in (self._seen, self._builds, self._spent):
                 table.pop(k, None)
 
     def _compile_mode(self, key: tuple[str, tuple], instructions: int) -> str:
         """How this run of the launch ``key`` (a program of ``instructions``) is compiled; see
-        the ``compile`` argument."""
-        last, steps = self._seen.get(key, (-1, 0))
-        if last != self._steps_run:
-            last, steps = self._steps_run, steps + 1
-            self._seen[key] = (last, steps)
+        the ``compile`` argument (``_build`` counts the steps it is used in)."""
+        steps = self._seen[key][1]
         if self.compile == "instruction" or steps < 2:
             return "instruction"
         if self.compile == "program":

@@ -19,7 +19,7 @@ from jalapeno_emu.isa.program import Allocation, Program
 from jalapeno_emu.isa.table import DTYPES, Space
 
 if TYPE_CHECKING:
-    from jalapeno_emu.emu.functional import MemoryLayout
+    from jalapeno_emu.emu.memory_layout import MemoryLayout
 
 __all__ = ["FunctionalResult", "Readable", "host_dtype", "read_values"]
 

@@ -1147,8 +1147,10 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
     """Plan mla-append (``KernelDef.emit``): ``t`` holds q (token-major [batch*tokens,
     q_heads*(nope+rope)], in HBM or on chip), kv_a ([batch*tokens, kv_lora_rank+rope]: [c_kv |
     k_pe], HBM or on chip), rope_cos / rope_sin [tokens, rope/2] and kv_cache (HBM, updated in
-    place). ``outs["q_rot"]``: an HBM tensor to store the rotated queries into (on chip or
-    absent: an HBM tensor of the emitter's own).
+    place). ``outs["q_rot"]``: an HBM tensor to store the rotated queries into; ``Out.onchip()``
+    in a decode step of at most ``dma.max_outstanding_per_queue`` sequences: each core keeps
+    its rotated rows (kept allocations, an on-chip q_rot); otherwise, or absent, an HBM tensor
+    of the emitter's own.
 
     Allocates every core's buffers and semaphores (no instruction yet). Returns each core's
     pipeline and the outputs q_rot and kv_cache, each region ready once the job that writes it
@@ -1167,41 +1169,59 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
                                    "tensor")
     q_ref, kva_ref, cache_ref = t["q"], t["kv_a"], t["kv_cache"]
     q_out = (outs or {}).get("q_rot")
-    if q_out is None or q_out.ref is None:
-        qrot_ref = TensorRef.hbm("q_rot", kb.hbm("q_rot", (B * T, H * wq), "bf16"))
-    else:
-        qrot_ref = q_out.ref
-    qrot_h = _packed(qrot_ref.base, B * T * H, wq)
+    # A decode step's rotated queries can stay where they were rotated (``Out.onchip()``): each
+    # core keeps its job's rows, and mla-decode's head cores copy them (or read them in place)
+    # instead of a store to HBM and a load back, two transfers on the chain to the attention.
+    # Only while a head's rows of every token come in one set-up round of copies
+    # (``dma.max_outstanding_per_queue`` tokens): at larger batches a head core's dozens of
+    # row copies cost more rounds than one strided load, and the kept rows fragment the
+    # scratchpad the next layer's experts need. A prefill chunk's queries go to HBM.
+    step_tokens = B * T
+    few_tokens = step_tokens <= spec.dma.max_outstanding_per_queue
+    keep_q = (T == 1 and few_tokens and q_out is not None and q_out.ref is None and q_out.cores is None)
+    qrot_ref = qrot_h = None
+    if not keep_q:
+        if q_out is None or q_out.ref is None:
+            qrot_ref = TensorRef.hbm("q_rot", kb.hbm("q_rot", (B * T, H * wq), "bf16"))
+        else:
+            qrot_ref = q_out.ref
+        qrot_h = _packed(qrot_ref.base, B * T * H, wq)
     q_packed = q_ref.in_hbm and not q_ref.waits() and q_ref.base.contiguous
     q_h = _packed(q_ref.base, B * T * H, wq) if q_packed else None
     cos_h, sin_h = t["rope_cos"].base, t["rope_sin"].base
     cache_h = cache_ref.base
     plans: list[tuple[_CorePlan, list[tuple[tuple[int, int], tuple[int, int]]]]] = []
+    pieces: list[Piece] = []
     for c in range(pl.cores):
         win = pl.windows[c]
         cos, sin = kb.sram(c, "cos", (win.rows, h), "f32"), kb.sram(c, "sin", (win.rows, h), "f32")
         slots = min(2, n_jobs)
         rows = max(nq_job, nk_job)
         sizes = (("q", nq_job, wq), ("qpe", nq_job, P), ("kv", nk_job, wk), ("kpe", nk_job, P))
-        buf = {name: [kb.sram(c, f"{name}{s}", (n, w), "bf16") for s in range(slots)] for name, n, w in sizes}
+        buf = {name: [kb.sram(c, f"{name}{s}", (n, w), "bf16") for s in range(slots)] for name, n, w in sizes
+               if not (keep_q and name == "q")}
         scratch = (kb.sram(c, "x1", (rows, h), "bf16"), kb.sram(c, "x2", (rows, h), "bf16"),
                    kb.sram(c, "t1", (rows, h), "f32"), kb.sram(c, "t2", (rows, h), "f32"))
         q_lo, q_hi = pl.q_blocks[c] if c < len(pl.q_blocks) else (0, 0)
         k_lo, k_hi = pl.kv_blocks[c] if c < len(pl.kv_blocks) else (0, 0)
         jobs, spans = [], []
+        kept: list[tuple[int, int, int, Tile]] = []  # (job, first row, end row, its kept q rows)
         for j in range(n_jobs):
             s = j % slots
             job, parts, copies = _Job(), [], []
             r0, r1 = q_lo + j * nq_job, min(q_hi, q_lo + (j + 1) * nq_job)
             if r0 < r1:  # query rows: nope copied through, rope part rotated into the row buffer
-                n, qb, pe = r1 - r0, buf["q"][s], buf["qpe"][s]
+                n, pe = r1 - r0, buf["qpe"][s]
+                qb = kb.sram(c, f"q_rot{j}", (nq_job, wq), "bf16", keep=True) if keep_q else buf["q"][s]
                 if q_h is not None:
                     job.loads += [(qb.sub(0, 0, n, N), q_h.sub(r0, 0, n, N)),
                                   (pe.sub(0, 0, n, P), q_h.sub(r0, N, n, P))]
                 else:  # whole rows from the producer, the rope part packed on the vector unit
                     job.loads += _rows_loads(q_ref, qb.sub(0, 0, n, wq), r0, n, H, wq)
                     copies.append((pe.sub(0, 0, n, P), qb.sub(0, N, n, P)))
-                if T == 1:  # latency-bound: one store of whole rows after the rotation
+                if keep_q:
+                    kept.append((len(jobs), r0, r1, qb))
+                elif T == 1:  # latency-bound: one store of whole rows after the rotation
                     job.stores.append((qrot_h.sub(r0, 0, n, wq), qb.sub(0, 0, n, wq)))
                 else:  # the nope part (2/3 of the bytes) goes back while the vector unit rotates
                     job.passthrough.append((qrot_h.sub(r0, 0, n, N), qb.sub(0, 0, n, N)))
@@ -1219,11 +1239,19 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
                 job.compute = functools.partial(_copy_then, copies=copies, then=rotate) if copies else rotate
                 jobs.append(job)
                 spans.append(((r0, r1), (b0, b1)))
-        plans.append((_plan_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs), spans))
-    q_rot, cache = qrot_ref, cache_ref
+        plan = _plan_core(kb, c, win.loads(cos, cos_h) + win.loads(sin, sin_h), jobs)
+        slots_used = min(2, len(jobs))
+        for j, r0, r1, qb in kept:  # ready once the vector unit has rotated the job's rows
+            done = (plan.sem["done"][j % slots_used].id, j // slots_used + 1)
+            for t0, c0, nr, nc in _token_regions(r0, r1, H, wq):
+                byte_off = ((t0 * H + c0 // wq) - r0) * wq * 2
+                pieces.append(Piece(t0, c0, nr, nc, _packed(qb, nr, nc, byte_off), None, done))
+        plans.append((plan, spans))
+    q_rot = TensorRef.onchip("q_rot", (B * T, H * wq), "bf16", pieces) if keep_q else qrot_ref
+    cache = cache_ref
     for p, spans in plans:
         for cond, ((r0, r1), (b0, b1)) in zip(p.stored, spans, strict=True):
-            for region in _token_regions(r0, r1, H, wq) if r0 < r1 else ():
+            for region in _token_regions(r0, r1, H, wq) if r0 < r1 and not keep_q else ():
                 q_rot = q_rot.with_ready(*region, cond)
             g = b0
             while g < b1:  # a sequence's run of new rows: cache rows b*cap + C-T+t ..

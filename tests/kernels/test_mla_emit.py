@@ -183,3 +183,50 @@ def test_decode_reads_heads_that_straddle_the_producers_pieces(scratchpad):
     want = run_functional(build.program, {"q": q.reshape(B * h, d), "kv_cache": data["attn/kv_cache"],
                                           "w_kv_b": data["attn/w_kv_b"]}).read("out", "bf16", (B * h, V))
     assert np.array_equal(_bits(got), _bits(np.asarray(want).reshape(B, h * V)))
+
+
+def _append_then_decode(batch: int, context: int, q_rot: str) -> tuple[np.ndarray, object]:
+    """q projection (on chip) -> mla-append -> mla-decode in one program, with the rotated
+    queries kept on chip (``q_rot="onchip"``) or stored to an HBM tensor (``"hbm"``); returns
+    (out, program) for fixed data."""
+    dims = {"batch": batch, "context": context, **DIMS}
+    kb = KernelBuilder(f"append_decode_{q_rot}", chip=TINY)
+    comp = Composer(kb, TINY)
+    cap = -(-context // 32) * 32
+    for name, shp in (("x", (batch, K)), ("kv_a", (batch, W)), ("cache", (batch * cap, W)),
+                      ("q_rot_hbm", (batch, H * D))):
+        comp.value(name, TensorRef.hbm(name, kb.hbm(name, shp, "bf16")))
+    comp.add_kernel("q_proj", "gemm", _gemm_shape(batch, H * D), inputs={"x": "x"}, outputs={"y": "q"},
+                    outs={"y": Out.onchip()})
+    place = Out.onchip() if q_rot == "onchip" else Out.to(comp.values["q_rot_hbm"])
+    append_dims = {k: v for k, v in dims.items() if k != "v_head_dim"}
+    comp.add_kernel("append", "mla-append", get_kernel("mla-append").shape(append_dims),
+                    inputs={"q": "q", "kv_a": "kv_a", "kv_cache": "cache"},
+                    outputs={"q_rot": "q_rot", "kv_cache": "kv"}, outs={"q_rot": place})
+    comp.add_kernel("attn", "mla-decode", get_kernel("mla-decode").shape({**dims, "kv_tile": 32}),
+                    inputs={"q": "q_rot", "kv_cache": "kv"}, outputs={"out": "o"})
+    comp.build()
+    prog = kb.build()
+    check_program(prog, TINY)
+    rng = np.random.default_rng(3)
+    data = {"x": rng.standard_normal((batch, K)).astype(BF16),
+            "kv_a": rng.standard_normal((batch, W)).astype(BF16),
+            "cache": rng.standard_normal((batch * cap, W)).astype(BF16),
+            "q_proj/w": (0.2 * rng.standard_normal((K, H * D))).astype(BF16),
+            "attn/w_kv_b": (rng.standard_normal((H * (N + V), R)) / 8).astype(BF16)}
+    result = run_functional(prog, {**data, **comp.ctx.consts})
+    return np.asarray(result.read("attn/out", "bf16", (batch, H * V))), prog
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_queries_kept_on_chip_by_the_append_equal_the_hbm_round_trip(batch):
+    """A decode step's rotated queries stay where mla-append rotated them (no store to HBM and
+    load back): the attention's output is the same bits as through HBM."""
+    kept, prog = _append_then_decode(batch, 50, "onchip")
+    via_hbm, prog_hbm = _append_then_decode(batch, 50, "hbm")
+    assert np.array_equal(_bits(kept), _bits(via_hbm))
+    assert not any(a.name.endswith("q_rot") for a in prog.allocations if a.space.name == "HBM")
+    wq = N + P
+    q_rot_stores = [i for i in prog_hbm.instructions if i.mnemonic == "dma.store" and i.arg("dst").cols == wq]
+    assert q_rot_stores
+    assert not [i for i in prog.instructions if i.mnemonic == "dma.store" and i.arg("dst").cols == wq]

@@ -1131,26 +1131,126 @@ def _copy_then(core: CoreHandle, ready: tuple[Semaphore, int], *, copies: list[t
 def emit_mla_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
                     outs: dict[str, Out] | None = None) -> Emitter:
     """Emit mla-append (see ``_mla_append_plans``): every core's constants in the prefetch part,
-    then every core's jobs."""
-    plans, refs = _mla_append_plans(ctx, shape, t, outs)
+    then every core's jobs. In a decode step whose q is on chip in whole heads and whose q_rot
+    stays on chip, the queries rotate where they are (``_HeadLocalQ``) and the jobs carry only
+    the latent rows."""
+    local = None
+    if _keeps_q_rot(shape, ctx.spec, (outs or {}).get("q_rot")):
+        local = _HeadLocalQ.of(ctx.kb, t["q"], shape)
+    plans, refs = _mla_append_plans(ctx, shape, t, outs, skip_q=local is not None)
+    if local is not None:
+        local.prefetch(ctx.kb, t["rope_cos"].base, t["rope_sin"].base)
+        refs = refs | {"q_rot": local.ref}
     for p in plans:
         _prefetch_core(ctx.kb, p)
     yield refs
+    if local is not None:
+        local.rotate(ctx.kb)
     waited: dict[Any, set] = {}
     for p in plans:
         _run_core(ctx.kb, p, waited)
     return refs
 
 
+def _keeps_q_rot(shape: dict[str, Any], spec: ChipSpec, q_out: Out | None) -> bool:
+    """Whether mla-append keeps q_rot on chip: asked to (``Out.onchip()``), one token per
+    sequence, and at most ``dma.max_outstanding_per_queue`` sequences. Above that a head core's
+    row copies of every token cost more set-up rounds than one strided load, and the kept rows
+    fragment the scratchpad the next layer's experts plan in (DeepSeek-R1 layer 3 at batch 64:
+    its MoE re-planned, 548 -> 840 us). A prefill chunk's queries are MBs per core: HBM."""
+    if q_out is None or q_out.ref is not None or q_out.cores is not None or shape["tokens"] != 1:
+        return False
+    sequences = shape["batch"]
+    return sequences <= spec.dma.max_outstanding_per_queue
+
+
+@dataclass
+class _HeadLocalQ:
+    """A decode step's queries rotated on the cores that hold them (the q projection's output
+    kept on chip, each piece whole heads of every token): each core copies its piece [B, k*(N+P)]
+    into a kept buffer and rotates each head's rope columns there, with the one table row of
+    the step's position. mla-decode's head cores then read their heads in place when the pieces
+    line up with their heads (DeepSeek-R1 on jalapeno-v1: 384 columns, two heads, per core), so
+    the chain from the projection to the attention has no transfer at all; otherwise they copy
+    them, as from any on-chip q. Same vector operations on the same values as the row jobs
+    (bit-identical q_rot)."""
+
+    pieces: list[Piece]
+    nope: int
+    rope: int
+    work: list[dict[str, Any]] = field(default_factory=list)
+    ref: TensorRef | None = None
+
+    @staticmethod
+    def of(kb: KernelBuilder, q: TensorRef, shape: dict[str, Any]) -> _HeadLocalQ | None:
+        """The plan when every piece of an on-chip ``q`` holds whole heads of every token, one
+        piece per core and none overlapping; None otherwise."""
+        B, H = shape["batch"], shape["q_heads"]
+        N, P = shape["nope_dim"], shape["rope_dim"]
+        wq = N + P
+        if q.in_hbm or not q.pieces or q.is_mx:
+            return None
+        cores = [p.core for p in q.pieces]
+        if len(set(cores)) != len(cores) or sum(p.rows * p.cols for p in q.pieces) != B * H * wq:
+            return None
+        if any(p.tile is None or p.r0 != 0 or p.rows != B or p.c0 % wq or p.cols % wq for p in q.pieces):
+            return None
+        return _HeadLocalQ(list(q.pieces), N, P)
+
+    def prefetch(self, kb: KernelBuilder, cos_h: Tile, sin_h: Tile) -> None:
+        """Allocate each core's buffers and load its table row (the prefetch part, queue 1: queue
+        0 streams the other operators' weights); build the on-chip q_rot."""
+        h, rows = self.rope // 2, self.pieces[0].rows
+        out = []
+        for p in self.pieces:
+            c = p.core
+            w = {"src": p, "cos": kb.sram(c, "q_cos", (1, h), "f32"),
+                 "sin": kb.sram(c, "q_sin", (1, h), "f32"),
+                 "out": kb.sram(c, "q_rot", (rows, p.cols), "bf16", keep=True),
+                 "packed": kb.sram(c, "q_pe", (rows, self.rope), "bf16"),
+                 "scratch": (kb.sram(c, "q_x1", (rows, h), "bf16"), kb.sram(c, "q_x2", (rows, h), "bf16"),
+                             kb.sram(c, "q_t1", (rows, h), "f32"), kb.sram(c, "q_t2", (rows, h), "f32")),
+                 "table": kb.semaphore(f"c{c}.q_table"), "done": kb.semaphore(f"c{c}.q_rotated")}
+            q1 = kb.core(c).dma[1 % len(kb.core(c).dma)]
+            q1.load(w["cos"], cos_h.sub(0, 0, 1, h))
+            q1.load(w["sin"], sin_h.sub(0, 0, 1, h))
+            q1.signal(w["table"])
+            self.work.append(w)
+            out.append(Piece(p.r0, p.c0, p.rows, p.cols, w["out"], None, (w["done"].id, 1)))
+        cols = sum(p.cols for p in self.pieces)
+        self.ref = TensorRef.onchip("q_rot", (rows, cols), "bf16", out)
+
+    def rotate(self, kb: KernelBuilder) -> None:
+        """Each core: the whole piece, then per head its rope columns packed, de-interleaved and
+        rotated into place; the piece is ready when the vector unit is done."""
+        N, P, wq = self.nope, self.rope, self.nope + self.rope
+        for w in self.work:
+            p, out = w["src"], w["out"]
+            vpu = kb.core(p.core).vpu
+            vpu.wait(w["table"], 1)
+            if p.ready is not None:
+                vpu.wait(*p.ready)
+            vpu.copy(out, p.tile)
+            seg = [_Segment(0, p.rows, 0, 0)]  # one position: table row 0 for every row
+            for k in range(p.cols // wq):
+                pe = out.sub(0, k * wq + N, p.rows, P)
+                vpu.copy(w["packed"], pe)
+                _deinterleave_rotate(vpu, pe, w["packed"], *w["scratch"][:2], w["cos"], w["sin"],
+                                     *w["scratch"][2:], seg)
+            vpu.signal(w["done"])
+
+
 def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
-                      outs: dict[str, Out] | None = None) -> tuple[list[_CorePlan], dict[str, TensorRef]]:
+                      outs: dict[str, Out] | None = None, *, skip_q: bool = False
+                      ) -> tuple[list[_CorePlan], dict[str, TensorRef]]:
     """Plan mla-append (``KernelDef.emit``): ``t`` holds q (token-major [batch*tokens,
     q_heads*(nope+rope)], in HBM or on chip), kv_a ([batch*tokens, kv_lora_rank+rope]: [c_kv |
     k_pe], HBM or on chip), rope_cos / rope_sin [tokens, rope/2] and kv_cache (HBM, updated in
     place). ``outs["q_rot"]``: an HBM tensor to store the rotated queries into; ``Out.onchip()``
     in a decode step of at most ``dma.max_outstanding_per_queue`` sequences: each core keeps
     its rotated rows (kept allocations, an on-chip q_rot); otherwise, or absent, an HBM tensor
-    of the emitter's own.
+    of the emitter's own. ``skip_q``: the jobs carry only the latent rows (the queries rotate
+    where they are, ``_HeadLocalQ``) and the returned q_rot is None.
 
     Allocates every core's buffers and semaphores (no instruction yet). Returns each core's
     pipeline and the outputs q_rot and kv_cache, each region ready once the job that writes it
@@ -1169,18 +1269,12 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
                                    "tensor")
     q_ref, kva_ref, cache_ref = t["q"], t["kv_a"], t["kv_cache"]
     q_out = (outs or {}).get("q_rot")
-    # A decode step's rotated queries can stay where they were rotated (``Out.onchip()``): each
-    # core keeps its job's rows, and mla-decode's head cores copy them (or read them in place)
-    # instead of a store to HBM and a load back, two transfers on the chain to the attention.
-    # Only while a head's rows of every token come in one set-up round of copies
-    # (``dma.max_outstanding_per_queue`` tokens): at larger batches a head core's dozens of
-    # row copies cost more rounds than one strided load, and the kept rows fragment the
-    # scratchpad the next layer's experts need. A prefill chunk's queries go to HBM.
-    step_tokens = B * T
-    few_tokens = step_tokens <= spec.dma.max_outstanding_per_queue
-    keep_q = (T == 1 and few_tokens and q_out is not None and q_out.ref is None and q_out.cores is None)
+    # A small decode step's rotated queries stay where they were rotated: each core keeps its
+    # job's rows, and mla-decode's head cores copy them (or read them in place) instead of a
+    # store to HBM and a load back, two transfers on the chain to the attention.
+    keep_q = _keeps_q_rot(shape, spec, q_out)
     qrot_ref = qrot_h = None
-    if not keep_q:
+    if not keep_q and not skip_q:
         if q_out is None or q_out.ref is None:
             qrot_ref = TensorRef.hbm("q_rot", kb.hbm("q_rot", (B * T, H * wq), "bf16"))
         else:
@@ -1196,10 +1290,10 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
         win = pl.windows[c]
         cos, sin = kb.sram(c, "cos", (win.rows, h), "f32"), kb.sram(c, "sin", (win.rows, h), "f32")
         slots = min(2, n_jobs)
-        rows = max(nq_job, nk_job)
+        rows = nk_job if skip_q else max(nq_job, nk_job)
         sizes = (("q", nq_job, wq), ("qpe", nq_job, P), ("kv", nk_job, wk), ("kpe", nk_job, P))
         buf = {name: [kb.sram(c, f"{name}{s}", (n, w), "bf16") for s in range(slots)] for name, n, w in sizes
-               if not (keep_q and name == "q")}
+               if not (keep_q and name == "q") and not (skip_q and name in ("q", "qpe"))}
         scratch = (kb.sram(c, "x1", (rows, h), "bf16"), kb.sram(c, "x2", (rows, h), "bf16"),
                    kb.sram(c, "t1", (rows, h), "f32"), kb.sram(c, "t2", (rows, h), "f32"))
         q_lo, q_hi = pl.q_blocks[c] if c < len(pl.q_blocks) else (0, 0)
@@ -1210,6 +1304,8 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
             s = j % slots
             job, parts, copies = _Job(), [], []
             r0, r1 = q_lo + j * nq_job, min(q_hi, q_lo + (j + 1) * nq_job)
+            if skip_q:  # (the queries rotate where they are: emit_mla_append)
+                r0 = r1
             if r0 < r1:  # query rows: nope copied through, rope part rotated into the row buffer
                 n, pe = r1 - r0, buf["qpe"][s]
                 qb = kb.sram(c, f"q_rot{j}", (nq_job, wq), "bf16", keep=True) if keep_q else buf["q"][s]
@@ -1247,7 +1343,7 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
                 byte_off = ((t0 * H + c0 // wq) - r0) * wq * 2
                 pieces.append(Piece(t0, c0, nr, nc, _packed(qb, nr, nc, byte_off), None, done))
         plans.append((plan, spans))
-    q_rot = TensorRef.onchip("q_rot", (B * T, H * wq), "bf16", pieces) if keep_q else qrot_ref
+    q_rot = TensorRef.onchip("q_rot", (B * T, H * wq), "bf16", pieces) if keep_q and not skip_q else qrot_ref
     cache = cache_ref
     for p, spans in plans:
         for cond, ((r0, r1), (b0, b1)) in zip(p.stored, spans, strict=True):

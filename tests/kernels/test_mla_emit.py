@@ -185,10 +185,11 @@ def test_decode_reads_heads_that_straddle_the_producers_pieces(scratchpad):
     assert np.array_equal(_bits(got), _bits(np.asarray(want).reshape(B, h * V)))
 
 
-def _append_then_decode(batch: int, context: int, q_rot: str) -> tuple[np.ndarray, object]:
-    """q projection (on chip) -> mla-append -> mla-decode in one program, with the rotated
-    queries kept on chip (``q_rot="onchip"``) or stored to an HBM tensor (``"hbm"``); returns
-    (out, program) for fixed data."""
+def _append_then_decode(batch: int, context: int, q_rot: str,
+                        q_from: str = "gemm") -> tuple[np.ndarray, object]:
+    """q projection (on chip; ``q_from="hbm"``: q an HBM input) -> mla-append -> mla-decode in
+    one program, with the rotated queries kept on chip (``q_rot="onchip"``) or stored to an HBM
+    tensor (``"hbm"``); returns (out, program) for fixed data."""
     dims = {"batch": batch, "context": context, **DIMS}
     kb = KernelBuilder(f"append_decode_{q_rot}", chip=TINY)
     comp = Composer(kb, TINY)
@@ -196,8 +197,11 @@ def _append_then_decode(batch: int, context: int, q_rot: str) -> tuple[np.ndarra
     for name, shp in (("x", (batch, K)), ("kv_a", (batch, W)), ("cache", (batch * cap, W)),
                       ("q_rot_hbm", (batch, H * D))):
         comp.value(name, TensorRef.hbm(name, kb.hbm(name, shp, "bf16")))
-    comp.add_kernel("q_proj", "gemm", _gemm_shape(batch, H * D), inputs={"x": "x"}, outputs={"y": "q"},
-                    outs={"y": Out.onchip()})
+    if q_from == "gemm":
+        comp.add_kernel("q_proj", "gemm", _gemm_shape(batch, H * D), inputs={"x": "x"}, outputs={"y": "q"},
+                        outs={"y": Out.onchip()})
+    else:
+        comp.value("q", TensorRef.hbm("q", kb.hbm("q", (batch, H * D), "bf16")))
     place = Out.onchip() if q_rot == "onchip" else Out.to(comp.values["q_rot_hbm"])
     append_dims = {k: v for k, v in dims.items() if k != "v_head_dim"}
     comp.add_kernel("append", "mla-append", get_kernel("mla-append").shape(append_dims),
@@ -212,19 +216,26 @@ def _append_then_decode(batch: int, context: int, q_rot: str) -> tuple[np.ndarra
     data = {"x": rng.standard_normal((batch, K)).astype(BF16),
             "kv_a": rng.standard_normal((batch, W)).astype(BF16),
             "cache": rng.standard_normal((batch * cap, W)).astype(BF16),
-            "q_proj/w": (0.2 * rng.standard_normal((K, H * D))).astype(BF16),
             "attn/w_kv_b": (rng.standard_normal((H * (N + V), R)) / 8).astype(BF16)}
+    if q_from == "gemm":
+        data["q_proj/w"] = (0.2 * rng.standard_normal((K, H * D))).astype(BF16)
+    else:
+        data["q"] = rng.standard_normal((batch, H * D)).astype(BF16)
     result = run_functional(prog, {**data, **comp.ctx.consts})
     return np.asarray(result.read("attn/out", "bf16", (batch, H * V))), prog
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decode_queries_kept_on_chip_by_the_append_equal_the_hbm_round_trip(batch):
-    """A decode step's rotated queries stay where mla-append rotated them (no store to HBM and
-    load back): the attention's output is the same bits as through HBM."""
-    kept, prog = _append_then_decode(batch, 50, "onchip")
-    via_hbm, prog_hbm = _append_then_decode(batch, 50, "hbm")
+@pytest.mark.parametrize("batch, q_from", [(1, "gemm"), (2, "gemm"), (2, "hbm")])
+def test_decode_queries_kept_on_chip_by_the_append_equal_the_hbm_round_trip(batch, q_from):
+    """A decode step's rotated queries stay on chip (no store to HBM and load back): rotated
+    where the projection left them (q on chip, whole heads per core: the head-local path, no
+    row jobs for q), or in the append's row jobs (q from HBM); either way the attention's output
+    is the same bits as through HBM."""
+    kept, prog = _append_then_decode(batch, 50, "onchip", q_from)
+    via_hbm, prog_hbm = _append_then_decode(batch, 50, "hbm", q_from)
     assert np.array_equal(_bits(kept), _bits(via_hbm))
+    head_local = any(a.name == "append/q_cos" for a in prog.allocations)
+    assert head_local == (q_from == "gemm")
     assert not any(a.name.endswith("q_rot") for a in prog.allocations if a.space.name == "HBM")
     wq = N + P
     q_rot_stores = [i for i in prog_hbm.instructions if i.mnemonic == "dma.store" and i.arg("dst").cols == wq]

@@ -1001,7 +1001,7 @@ def _deinterleave_rotate(vpu: EngineHandle, out: Tile, packed: Tile, x1: Tile, x
                      s.table(cos), s.table(sin), t1.sub(r, 0, m, h), t2.sub(r, 0, m, h))
 
 
-def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int], parts: list[tuple[Tile, Tile, list]],
+def _rotate_parts(core: CoreHandle, ready: tuple[Semaphore, int] | None, parts: list[tuple[Tile, Tile, list]],
                   scratch: tuple[Tile, ...], cos: Tile, sin: Tile) -> None:
     """``_deinterleave_rotate`` of each (out, packed, segments) part, on the first rows of the
     shared scratch tiles (x1, x2 BF16 and t1, t2 FP32, each [rows, P/2])."""
@@ -1136,7 +1136,7 @@ def emit_mla_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef]
     the latent rows."""
     local = None
     if _keeps_q_rot(shape, ctx.spec, (outs or {}).get("q_rot")):
-        local = _HeadLocalQ.of(ctx.kb, t["q"], shape)
+        local = _HeadLocalQ.of(t["q"], shape)
     plans, refs = _mla_append_plans(ctx, shape, t, outs, skip_q=local is not None)
     if local is not None:
         local.prefetch(ctx.kb, t["rope_cos"].base, t["rope_sin"].base)
@@ -1182,7 +1182,7 @@ class _HeadLocalQ:
     ref: TensorRef | None = None
 
     @staticmethod
-    def of(kb: KernelBuilder, q: TensorRef, shape: dict[str, Any]) -> _HeadLocalQ | None:
+    def of(q: TensorRef, shape: dict[str, Any]) -> _HeadLocalQ | None:
         """The plan when every piece of an on-chip ``q`` holds whole heads of every token, one
         piece per core and none overlapping; None otherwise."""
         B, H = shape["batch"], shape["q_heads"]
@@ -1226,18 +1226,17 @@ class _HeadLocalQ:
         N, P, wq = self.nope, self.rope, self.nope + self.rope
         for w in self.work:
             p, out = w["src"], w["out"]
-            vpu = kb.core(p.core).vpu
-            vpu.wait(w["table"], 1)
+            core = kb.core(p.core)
+            core.vpu.wait(w["table"], 1)
             if p.ready is not None:
-                vpu.wait(*p.ready)
-            vpu.copy(out, p.tile)
+                core.vpu.wait(*p.ready)
+            core.vpu.copy(out, p.tile)
             seg = [_Segment(0, p.rows, 0, 0)]  # one position: table row 0 for every row
             for k in range(p.cols // wq):
                 pe = out.sub(0, k * wq + N, p.rows, P)
-                vpu.copy(w["packed"], pe)
-                _deinterleave_rotate(vpu, pe, w["packed"], *w["scratch"][:2], w["cos"], w["sin"],
-                                     *w["scratch"][2:], seg)
-            vpu.signal(w["done"])
+                core.vpu.copy(w["packed"], pe)
+                _rotate_parts(core, None, [(pe, w["packed"], seg)], w["scratch"], w["cos"], w["sin"])
+            core.vpu.signal(w["done"])
 
 
 def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
@@ -1272,7 +1271,7 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
     # A small decode step's rotated queries stay where they were rotated: each core keeps its
     # job's rows, and mla-decode's head cores copy them (or read them in place) instead of a
     # store to HBM and a load back, two transfers on the chain to the attention.
-    keep_q = _keeps_q_rot(shape, spec, q_out)
+    keep_q = not skip_q and _keeps_q_rot(shape, spec, q_out)
     qrot_ref = qrot_h = None
     if not keep_q and not skip_q:
         if q_out is None or q_out.ref is None:
@@ -1343,7 +1342,7 @@ def _mla_append_plans(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRe
                 byte_off = ((t0 * H + c0 // wq) - r0) * wq * 2
                 pieces.append(Piece(t0, c0, nr, nc, _packed(qb, nr, nc, byte_off), None, done))
         plans.append((plan, spans))
-    q_rot = TensorRef.onchip("q_rot", (B * T, H * wq), "bf16", pieces) if keep_q and not skip_q else qrot_ref
+    q_rot = TensorRef.onchip("q_rot", (B * T, H * wq), "bf16", pieces) if keep_q else qrot_ref
     cache = cache_ref
     for p, spans in plans:
         for cond, ((r0, r1), (b0, b1)) in zip(p.stored, spans, strict=True):

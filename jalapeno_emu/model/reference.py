@@ -59,8 +59,8 @@ def rope_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarra
 
 
 def deepseek_rope_tables(cfg: ModelConfig, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek-V3 YaRN tables (cos, sin) F32 [positions, rope_dim/2] (see kernels.cache)."""
-    from jalapeno_emu.kernels.cache import deepseek_yarn_cos_sin
+    """DeepSeek-V3 YaRN tables (cos, sin) F32 [positions, rope_dim/2] (see kernels.mla_append)."""
+    from jalapeno_emu.kernels.mla_append import deepseek_yarn_cos_sin
 
     return deepseek_yarn_cos_sin(positions, cfg.qk_rope_dim, cfg.rope.as_dict())
 

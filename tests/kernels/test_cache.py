@@ -15,14 +15,9 @@ from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.kernels import get_kernel, run_kernel
 from jalapeno_emu.kernels.attention import decode_logical_cache, yarn_cos_sin
-from jalapeno_emu.kernels.cache import (
-    YARN_DEEPSEEK_V3,
-    deepseek_yarn_cos_sin,
-    kv_append_reference,
-    rope_deinterleaved,
-    rope_rotate_half,
-)
+from jalapeno_emu.kernels.cache import kv_append_reference, rope_rotate_half
 from jalapeno_emu.kernels.mla import mla_decode_reference, mla_prefill_reference
+from jalapeno_emu.kernels.mla_append import YARN_DEEPSEEK_V3, deepseek_yarn_cos_sin, rope_deinterleaved
 
 BF16 = ml_dtypes.bfloat16
 TINY = load_preset("tiny")

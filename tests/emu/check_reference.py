@@ -1,12 +1,12 @@
 """The checker's race and uninitialised-read walk written the straightforward way, to test the
 fast one against.
 
-``jalapeno_emu.emu.check`` indexes its history of accesses (by tile geometry, byte range and
-engine) and finds the signal a wait needs by bisection; here every access is compared with a
-flat list of every kept earlier access, every wait scans every signal so far, and tile overlap
-is always the exact numpy solve; written bytes are tracked row by row. Everything else
-(legality, capacity, the sequential order, the fixed point of signals after waits) is the
-checker's own.
+``jalapeno_emu.emu.check`` (with ``races`` and ``clocks``) indexes its history of accesses (by
+tile geometry, byte range and engine) and finds the signal a wait needs by bisection; here every
+access is compared with a flat list of every kept earlier access, every wait scans every signal
+so far, and tile overlap is always the exact numpy solve; written bytes are tracked row by row.
+Everything else (legality, capacity, the sequential order, the fixed point of signals after
+waits) is the checker's own.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.emu import check as fast
+from jalapeno_emu.emu import clocks, races
 from jalapeno_emu.emu.schedule import sequential_order
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
@@ -42,7 +43,7 @@ def reference_tiles_overlap(a: Tile, b: Tile) -> bool:
     return bool(np.any(q_min <= q_max))
 
 
-class _ScanningClocks(fast._Clocks):
+class _ScanningClocks(clocks.Clocks):
     """The checker's clocks, but a wait scans every signal on its semaphore so far, in order."""
 
     def __init__(self, *args) -> None:
@@ -69,7 +70,7 @@ class _ScanningClocks(fast._Clocks):
 
 def reference_later_signals(program: Program, order: list[int], sem_signals,
                             max_rounds: int = 8) -> dict[int, dict[Engine, int]]:
-    """``check._later_signals`` with the scanning clocks."""
+    """``clocks.later_signals`` with the scanning clocks."""
     if not any(ins.mnemonic == "sem.wait" for ins in program.instructions):
         return {}
     later: dict[int, dict[Engine, int]] = {}
@@ -85,7 +86,7 @@ def reference_later_signals(program: Program, order: list[int], sem_signals,
 
 
 def _check_races(prior: list, tile: Tile, writes: bool, eng: Engine, vc: dict, idx: int,
-                 ctx: fast._Context, ins: Instruction, name: str) -> None:
+                 ctx: races.CheckContext, ins: Instruction, name: str) -> None:
     """Compare ``tile`` with every kept earlier access; drop those it covers and follows."""
     s0, e0 = tile.offset, tile.end
     keep = []
@@ -97,8 +98,8 @@ def _check_races(prior: list, tile: Tile, writes: bool, eng: Engine, vc: dict, i
         hb = vc.get(e, 0) >= i
         if (w or writes) and not hb and reference_tiles_overlap(t, tile):
             # the message is the checker's own (naming buffers and the missing edge)
-            raise fast._race_error(ctx, idx, name, tile, writes, j, t, e, w)
-        if hb and (writes or not w) and fast._contains(tile, t):
+            raise races.race_error(ctx, idx, name, tile, writes, j, t, e, w)
+        if hb and (writes or not w) and races.tile_contains(tile, t):
             continue
         keep.append(entry)
     prior[:] = keep
@@ -146,9 +147,9 @@ class _Written:
 
 
 def _check_initialized(tile: Tile, written: _Written, idx: int, ins: Instruction, name: str,
-                       ctx: fast._Context) -> None:
+                       ctx: races.CheckContext) -> None:
     if not written.covers_tile(tile):
-        raise fast._uninitialized_error(ctx, tile, written.first_gap(tile), idx, ins, name)
+        raise races.uninitialized_error(ctx, tile, written.first_gap(tile), idx, ins, name)
 
 
 def reference_check_program(program: Program, spec: ChipSpec, *,
@@ -165,7 +166,7 @@ def reference_check_program(program: Program, spec: ChipSpec, *,
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
     later = reference_later_signals(program, order, sem_signals)
     clocks = _ScanningClocks(sem_signals, later)
-    ctx = fast._Context(program, order, sem_signals, later)
+    ctx = races.CheckContext(program, order, sem_signals, later)
     accesses: dict[tuple[Space, int], list[tuple]] = defaultdict(list)
     written: dict[tuple[Space, int], _Written] = defaultdict(_Written)
     for idx in order:
@@ -175,7 +176,7 @@ def reference_check_program(program: Program, spec: ChipSpec, *,
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             if not writes and check_uninitialized and tile.space is not Space.HBM:
                 _check_initialized(tile, written[key], idx, ins, name, ctx)
-            if ins.mnemonic in fast._MATMULS and name == "acc" and ins.arg("mode") == "accumulate":
+            if ins.mnemonic in races.MATMULS and name == "acc" and ins.arg("mode") == "accumulate":
                 if check_uninitialized:
                     _check_initialized(tile, written[key], idx, ins, name, ctx)
                 _check_races(accesses[key], tile, False, eng, vc, idx, ctx, ins, name)

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from jalapeno_emu.chip import load_preset
-from jalapeno_emu.emu.check import _later_signals, check_program, tiles_overlap
+from jalapeno_emu.emu.check import check_program, tiles_overlap
+from jalapeno_emu.emu.clocks import later_signals
 from jalapeno_emu.emu.schedule import sequential_order
 from jalapeno_emu.errors import EmuError
 from jalapeno_emu.isa.builder import KernelBuilder
@@ -86,7 +87,7 @@ def test_checker_matches_the_reference(name, shape):
     for ins in program.instructions:
         if ins.mnemonic == "sem.signal":
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
-    assert (_later_signals(program, order, sem_signals)
+    assert (later_signals(program, order, sem_signals)
             == reference_later_signals(program, order, sem_signals))
     rng = random.Random(f"{name}{sorted(shape.items())}")
     for broken in _broken_copies(program, rng, 4):

@@ -276,6 +276,11 @@ def _plan_mla_decode(shape: dict[str, Any], spec: ChipSpec, budget: Budget, *,
 
 
 # --- decode: the on-core program --------------------------------------------------------------
+# Context tiles a core without split-KV loads in the prefetch part; the rest of its first
+# buffers wait for the q_lat exchange (see _emit_decode_v1).
+_EARLY_TILES = 2
+
+
 def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: TensorRef, w: TensorRef,
                     out: Out) -> Emitter:
     """The on-core mla-decode (see the module docstring): absorb on the head cores, attention on
@@ -302,6 +307,11 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
     n_copy_q = len(kb.core(0).dma) if split and max(len(us) for us in units) == 1 and \
         max(-(-(hi - lo) // T) for us in units for _, lo, hi in us) == 1 else 3
     waited: dict[Any, set[Ready]] = {}
+    # A core's DMA port serves its queues' transfers in issue order: without split-KV, context
+    # tiles issued before the q_lat copies hold the port while the copies (the whole program's
+    # critical path) wait behind them, so only _EARLY_TILES go first and the other buffers fill
+    # once the copies have landed (split-KV cores hold one or two tiles: all go first).
+    n_early = nbuf if split else min(nbuf, _EARLY_TILES)
 
     # Allocations first (all of them before the prefetch part ends), so that every core can
     # address the others' buffers.
@@ -344,11 +354,7 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
             core.dma[0].load(hd["wuk"].sub(hl * N, 0, N, R), w_h.sub(h * (N + V), 0, N, R))
             if q_static:
                 core.dma[0].load(hd["qn"].sub(hl * B, 0, B, qw), q.hbm_view(0, h * D, B, qw))
-            if not split:
-                core.dma[3].load(hd["wuv"].sub(hl * V, 0, V, R), w_h.sub(h * (N + V) + N, 0, V, R))
         core.dma[0].signal(hd["wq_loaded"])
-        if not split:  # (split-KV: W_UV comes after the q_lat copies, below)
-            core.dma[3].signal(hd["wuv_loaded"])
     for a, us in enumerate(units):
         core, ad = kb.core(a), ab[a]
         ad["qpe_loaded"] = None
@@ -363,7 +369,7 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
                        for t0 in range(lo, hi, T)]
         ad["early"] = set()
         for g, (_, b, t0, n) in enumerate(ad["tiles"]):
-            if g < nbuf and not kv.waits(b * cap + t0, 0, n, W):
+            if g < n_early and not kv.waits(b * cap + t0, 0, n, W):
                 core.dma[0].load(ad["kv"][g].sub(0, 0, n, W), kv_h.sub(b * cap + t0, 0, n, W))
                 core.dma[0].signal(ad["slots"][g])
                 ad["early"].add(g)
@@ -438,11 +444,12 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
         for qi in sorted(used_q):
             core.dma[qi].signal(qlat_sent)
         qlat_signals += len(used_q)
-        if split:  # W_UV is needed last: after the copies (so that they go in one round), on the
-            # queue that carries no copy or one copy fewer in each exchange
-            for hl, h in enumerate(hs):
-                core.dma[0].load(hd["wuv"].sub(hl * V, 0, V, R), w_h.sub(h * (N + V) + N, 0, V, R))
-            core.dma[0].signal(hd["wuv_loaded"])
+        # W_UV is needed last: after the copies (so that they go in one round, and W_K's loads
+        # before it have the HBM to themselves), on the queue that carries no copy or one copy
+        # fewer in each exchange
+        for hl, h in enumerate(hs):
+            core.dma[0].load(hd["wuv"].sub(hl * V, 0, V, R), w_h.sub(h * (N + V) + N, 0, V, R))
+        core.dma[0].signal(hd["wuv_loaded"])
 
     # Phase 2: attention over the latent cache, units (sequences, or context splits) per core.
     olat_signals = 0
@@ -461,12 +468,16 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
         if split and a in hb:  # the rows this core's vector unit copied itself
             core.mxu.wait(hb[a]["read"], 1)
         tiles: list[FlashTile] = []
+        gated = False
         for g, (bl, b, t0, n) in enumerate(ad["tiles"]):
             s, use = g % nbuf, g // nbuf
             buf = ad["kv"][s].sub(0, 0, n, W)
             if g not in ad["early"]:
                 if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
                     core.dma[0].wait(fl.pv_done, g - nbuf + 1)
+                elif not split and not gated:  # a first buffer left out of the prefetch part
+                    gated = True
+                    core.dma[0].wait(qlat_sent, qlat_signals)
                 for r in kv.waits(b * cap + t0, 0, n, W):  # rows another operator writes
                     wait_once(core.dma[0], r, waited)
                 core.dma[0].load(buf, kv_h.sub(b * cap + t0, 0, n, W))
@@ -510,7 +521,10 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
                     j = i - (i > a)
                     e = core.dma[(1 + j) % n_copy_q] if n_copy_q == 4 else core.dma[1 + j % n_copy_q]
                 else:
-                    e = core.dma[1 + (bl * len(head_cores) + i) % n_copy_q]
+                    j = bl * len(head_cores) + i
+                    # every tile has been issued by now: queue 0 takes a share of the copies, so
+                    # that 64 of them go in one set-up round (16 in flight per queue)
+                    e = core.dma[(1 + j) % len(core.dma)]
                     dst = rows_of(hb[c]["obuf"], b, len(hs), B)
                     src = ad["olat"].sub(bl * H + hs[0], 0, len(hs), R)
                 e.wait(olat_ready, bl + 1)

@@ -13,7 +13,8 @@ from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import OutOfBounds, Race
 from jalapeno_emu.isa.builder import KernelBuilder
-from jalapeno_emu.kernels.compose import Arena, Composer
+from jalapeno_emu.isa.table import Space
+from jalapeno_emu.kernels.compose import Arena, ArenaFull, Composer
 from jalapeno_emu.kernels.emit import Out, TensorRef, run_emitter
 from jalapeno_emu.kernels.gemm import gemm_reference
 from jalapeno_emu.kernels.norm import emit_rmsnorm, rmsnorm_reference
@@ -225,3 +226,51 @@ def test_a_region_skips_fences_an_earlier_fence_implies_and_still_checks():
             and i.engine.core == 1]
     assert [w.arg("sem") for w in late] == [c_done[0].id]
     check_program(kb.build(), TINY)
+
+
+def _middle_old_arena(cap: int, small: int) -> Arena:
+    """An arena of one core whose only old free memory (released two releases ago and more) is a
+    ``small``-byte block in the middle: [0, m) and [m + small, cap) were freed last."""
+    arena = Arena(TINY)
+    m = cap // 2 - small
+    r = [type("R", (), {"name": n})() for n in ("r1", "r2", "r3")]
+    for region, nbytes in zip(r, (m, small, cap - m - small), strict=True):
+        arena.alloc(Space.SRAM, 0, nbytes, 64, region, keep=False)
+    for k, name in enumerate(("r2", "r1", "r3")):
+        arena.release(name, frozenset({(900 + k, 1)}))
+    return arena
+
+
+def test_first_fit_places_what_the_preference_for_old_memory_cannot():
+    cap, small = TINY.sram.scratchpad_bytes, 4096
+    big = cap // 2 + 8192  # larger than either run around the middle block
+    region = type("R", (), {"name": "op"})()
+    arena = _middle_old_arena(cap, small)
+    assert arena.alloc(Space.SRAM, 0, small, 64, region, keep=False)[0] == cap // 2 - small
+    with pytest.raises(ArenaFull):
+        arena.alloc(Space.SRAM, 0, big, 64, region, keep=False)
+    arena = _middle_old_arena(cap, small)
+    arena.first_fit = True
+    assert arena.alloc(Space.SRAM, 0, small, 64, region, keep=False)[0] == 0
+    start, fences = arena.alloc(Space.SRAM, 0, big, 64, region, keep=False)
+    assert start == small and fences == {(900, 1), (901, 1), (902, 1)}  # it waits for all three
+
+
+def test_an_operator_that_fits_by_first_fit_is_not_replanned():
+    """Before re-planning an operator at its own turn, the composer places it again by plain
+    first fit (Kimi K2.5's MoE at batch 64 was re-planned to a program 2.5x slower)."""
+    cap, small = TINY.sram.scratchpad_bytes, 4096
+
+    def emit(ctx):
+        ctx.kb.sram(0, "small", (small // 4, 1), "f32")
+        ctx.kb.sram(0, "big", ((cap // 2 + 8192) // 4, 1), "f32")
+        yield {}
+
+    kb = KernelBuilder("first_fit", chip=TINY)
+    comp = Composer(kb, TINY, lookahead=0)
+    comp.arena = _middle_old_arena(cap, small)
+    op = comp.add("op", emit)
+    comp.build()
+    assert not op.replanned and not comp.arena.first_fit  # (the flag is only for the retry)
+    big = next(a for a in kb.build().allocations if a.name.endswith("big"))
+    assert big.offset == small

@@ -274,3 +274,14 @@ def test_an_operator_that_fits_by_first_fit_is_not_replanned():
     assert not op.replanned and not comp.arena.first_fit  # (the flag is only for the retry)
     big = next(a for a in kb.build().allocations if a.name.endswith("big"))
     assert big.offset == small
+
+
+def test_kept_outputs_go_to_the_top_and_leave_one_run_below():
+    cap = TINY.sram.scratchpad_bytes
+    arena = Arena(TINY)
+    region = type("R", (), {"name": "op"})()
+    assert arena.alloc(Space.SRAM, 0, 1000, 64, region, keep=True)[0] == (cap - 1000) // 64 * 64
+    assert arena.alloc(Space.SRAM, 0, 1000, 64, region, keep=False)[0] == 0
+    second = arena.alloc(Space.SRAM, 0, 4096, 64, region, keep=True)[0]
+    assert second == (cap - 1000) // 64 * 64 - 4096  # right below the first
+    assert arena.largest_free(1)[Space.SRAM] == second - 1000  # one run between the two ends

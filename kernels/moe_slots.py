@@ -1025,6 +1025,14 @@ class _Program:
                 return n
             size, gu = p.chunk_sizes[j], gu_bytes(p.h, p.slices[j][1])
             dst = B["wbuf"][n % p.nbuf]
+            if not is_shared and not routed_waited:
+                # Before the buffer's wait below: the vector unit waits for the first slot's rows
+                # before it drains the shared items ahead of it, which the matrix unit needs
+                # drained to free that buffer (Kimi K2.5 at 96 tokens deadlocked so).
+                q0.wait(sem["routed"], 1)
+                if p.routed:
+                    self._emit_x_rows(c)
+                routed_waited = True
             if n >= p.nbuf:  # the buffer's previous item must be done on the matrix unit
                 q0.wait(sem["freed"], n - p.nbuf + 1)
             if n >= _LOOKAHEAD:
@@ -1036,11 +1044,6 @@ class _Program:
                 q0.load(dst.sub(0, gu, 1, size - gu), Tile(Space.HBM, 0, src + gu, "u8", 1, size - gu))
                 q0.signal(sem["loaded"])
                 continue
-            if not routed_waited:
-                q0.wait(sem["routed"], 1)
-                if p.routed:
-                    self._emit_x_rows(c)
-                routed_waited = True
             base = self.t["experts"].base.offset + p.chunk_off[j]
             ids = B["slot_ids"].sub(slot, 0, 1, 1)
             q0.gather(dst.sub(0, 0, 1, gu), Tile(Space.HBM, 0, base, "u8", p.e, gu, p.expert_bytes), ids)

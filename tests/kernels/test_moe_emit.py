@@ -13,10 +13,10 @@ from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.kernels import get_kernel
 from jalapeno_emu.kernels.compose import Composer
-from jalapeno_emu.kernels.emit import Out, TensorRef, emit_store
-from jalapeno_emu.kernels.moe import GatherPlan, PanelPlan, moe_tensors, plan_moe
+from jalapeno_emu.kernels.emit import EmitCtx, Out, TensorRef, emit_store
+from jalapeno_emu.kernels.moe import GatherPlan, PanelPlan, emit_moe, moe_tensors, plan_moe
 from jalapeno_emu.kernels.norm import rmsnorm_reference
-from jalapeno_emu.kernels.planning import DoesNotFit
+from jalapeno_emu.kernels.planning import Budget, DoesNotFit
 
 BF16 = ml_dtypes.bfloat16
 
@@ -100,3 +100,21 @@ def test_first_fitting_reports_every_program():
     with pytest.raises(DoesNotFit, match=r"slots: .*panel: ") as err:
         plan_moe(shape, spec)
     assert [name for name, _ in err.value.reasons] == ["slots", "panel"]
+
+
+def test_a_replan_that_outgrows_its_scratch_tables_refuses():
+    """Planning only, full size: DeepSeek-R1's dense FFN of a tp=4 chip at 1024 tokens gathers with
+    five shared-partial tables in the stand-alone budget and nine in 6.47 MB of scratchpad. Given
+    the stand-alone tables and the smaller budget, the emitter refuses by name; it must not write
+    past them (a fused program then times the operator as a launch)."""
+    spec = load_preset("jalapeno-v1")
+    shape = get_kernel("moe").shape({"tokens": 1024, "hidden": 7168, "intermediate": 4608, "experts": 0,
+                                     "top_k": 1, "shared_experts": 1, "activation": "silu"})
+    small = Budget(6_469_177, Budget.of(spec).acc_bytes, spec.core.count)
+    assert plan_moe(shape, spec).n_partials == 5 and plan_moe(shape, spec, small).n_partials == 9
+    kb = KernelBuilder("replanned", chip=spec)
+    tensors = {ts.name: TensorRef.hbm(ts.name, kb.hbm(ts.name, ts.shape, ts.dtype) if ts.mx_axis is None
+                                      else kb.hbm_mx(ts.name, ts.shape, ts.dtype, ts.mx_axis))
+               for ts in moe_tensors(shape, spec) if ts.role != "output"}
+    with pytest.raises(DoesNotFit, match=r"larger scratch tables.*shared_out \[9216, 7168\] \(given \[5120"):
+        emit_moe(EmitCtx(kb, spec, small), shape, tensors, {})

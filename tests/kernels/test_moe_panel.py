@@ -7,6 +7,7 @@ import pytest
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.kernels import get_kernel, run_kernel
 from jalapeno_emu.kernels.moe import MoePlan, grouping_of, plan_moe
+from jalapeno_emu.kernels.moe_gather import GatherPlan
 from jalapeno_emu.kernels.moe_panel import PanelPlan, _sram_bytes
 from jalapeno_emu.kernels.planning import DoesNotFit
 
@@ -98,3 +99,14 @@ def test_real_shape_times_on_b200():
     weights = 16 * report.notes["expert_bytes"]
     assert s["hbm_bytes"] >= weights
     assert s["time_s"] >= weights / 7.7e12
+
+
+@pytest.mark.parametrize(("experts", "want"), [(0, PanelPlan), (256, GatherPlan)])
+def test_auto_takes_panel_before_gather_for_a_dense_ffn(experts, want):
+    """Past the slot program's accumulators (128 tokens of hidden 7168 on jalapeno-v1) a dense FFN
+    runs as panel, not gather (83 against 163 us for DeepSeek-R1's); a routed MoE still gathers."""
+    kdef = get_kernel("moe")
+    shape = kdef.shape({"tokens": 128, "hidden": 7168, "intermediate": 18432 if not experts else 2048,
+                        "experts": experts, "top_k": 8 if experts else 1, "shared_experts": 1,
+                        "activation": "silu"})
+    assert isinstance(plan_moe(shape, load_preset("jalapeno-v1")), want)

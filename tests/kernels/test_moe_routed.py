@@ -11,6 +11,7 @@ import pytest
 from jalapeno_emu.chip import load_preset
 from jalapeno_emu.emu.check import check_program
 from jalapeno_emu.emu.functional import run_functional
+from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.builder import KernelBuilder
 from jalapeno_emu.kernels import get_kernel, run_kernel
@@ -159,3 +160,20 @@ def test_full_size_gpt_oss_decode_64_tokens_timing_only():
     assert r.notes["arrangement"] == "routed" and r.notes["distinct_experts"] == 112
     assert routed <= s["flops"] < 1.1 * routed
     assert s["lower_bound_s"] <= s["time_s"] <= 1.3 * s["lower_bound_s"]
+
+
+def test_slots_after_many_shared_items_do_not_deadlock():
+    """A core whose first routed item comes after more shared items than it has weight buffers:
+    its queue 0 must gather the first slot's x rows before it waits for a buffer, since the vector
+    unit waits for those rows before it drains the shared items the matrix unit needs drained
+    (Kimi K2.5 at 96 tokens on jalapeno-v1 deadlocked; this is the same program on 8 cores)."""
+    spec = load_preset("jalapeno-v1").replace(**{"core.count": 8})
+    kdef = get_kernel("moe")
+    shape = kdef.shape({"tokens": 96, "hidden": 4096, "intermediate": 1024, "experts": 128, "top_k": 4,
+                        "shared_experts": 1, "activation": "silu", "routing": "uniform"})
+    p = plan_moe(shape, spec)
+    assert isinstance(p, MoePlan) and p.routed
+    first = [next(n for n, it in enumerate(p.core_items(c)) if not it[0]) for c in range(p.cores)]
+    assert max(first) > p.nbuf  # the case: shared items fill every buffer before the first slot
+    tl = run_timing(kdef.build(shape, spec).program, spec)  # raised Deadlock before
+    assert tl.time_s >= tl.lower_bound_s()

@@ -33,7 +33,9 @@ chosen by ``planning.first_fitting`` in this order (``grouping``):
 
 ``grouping=auto``: slots, then (when the [T, H] FP32 partial does not fit a core's accumulators)
 gather, then panel, except for a dense FFN (panel first: without routing, gather only adds its
-staging); above 128 tokens gather. ``grouping=dense``: slots, then panel;
+staging); past the accumulators a slot plan left with two weight buffers or 32-column slices
+gives way to gather (it streams its weights worse), and runs only when gather does not fit;
+above 128 tokens gather. ``grouping=dense``: slots, then panel;
 ``grouping=gather``: gather only. A routing that exceeds a list's capacity, or hits more distinct
 experts than the program has slots, raises in the functional pass: never a silent drop.
 
@@ -166,6 +168,19 @@ def _planners(shape: dict[str, Any], spec: ChipSpec, budget: Budget,
     def slots() -> MoePlan:
         return plan_slots(shape, spec, budget, slot_count(shape))
 
+    def streaming_slots() -> MoePlan:
+        # Past the accumulators the slot program's buffers compete with its routed rows: with
+        # two weight buffers each item's load waits for the previous item's matmuls, and with
+        # 32-column slices per-item costs double. Gather then wins (on jalapeno-v1: Kimi K2.5 at
+        # 96 tokens 1,083 -> 800 us, DeepSeek-R1 at 112 825 -> 535 us), so such plans give way
+        # to it; where gather does not fit either, they still run.
+        p = slots()
+        narrowest = min(w for _, w in p.slices)
+        if p.nbuf < 3 or narrowest < 64:
+            raise DoesNotFit(f"the slot program keeps {p.nbuf} weight buffers of {narrowest}-column "
+                             "slices here: the gather program streams better")
+        return p
+
     def panel() -> PanelPlan:
         return plan_panel(shape, spec, budget, slot_count(shape))
 
@@ -183,7 +198,7 @@ def _planners(shape: dict[str, Any], spec: ChipSpec, budget: Budget,
         # A dense FFN has no routing for gather's per-block tables to exploit: DeepSeek-R1's at
         # 128 tokens on jalapeno-v1 takes 83 us as panel, 163 us as gather.
         return [("slots", slots), ("panel", panel), ("gather", gather)]
-    return [("slots", slots), ("gather", gather), ("panel", panel)]
+    return [("slots", streaming_slots), ("gather", gather), ("slots", slots), ("panel", panel)]
 
 
 def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None) -> Plan:
@@ -238,11 +253,24 @@ def emit_moe(ctx: EmitCtx, shape: dict[str, Any], tensors: dict[str, TensorRef],
     """Emit the MoE layer for ``shape`` (``KernelDef.emit``): the program ``plan_moe`` picks within
     ``ctx.budget``, reading ``tensors`` (every non-output tensor of ``moe_tensors``) and writing
     ``outs`` ("y", "expert_ids" for the slot programs). Yields/returns the output refs."""
-    p = plan or plan_moe(shape, ctx.spec, ctx.budget)
-    missing = sorted({ts.name for ts in _tensors(p, shape) if ts.role != "output"} - set(tensors))
-    if missing:  # re-planned within a smaller budget into another program, with HBM tensors of its own
-        raise DoesNotFit(f"moe: the {type(p).__name__} program that fits needs HBM tensors "
-                         f"{', '.join(missing)} this operator was not given")
+    if plan is None:
+        check_shape(shape)
+
+        def given(planner: Any) -> Any:
+            # Re-planned within a smaller budget (a fused program), a program whose HBM tensors
+            # this operator was not given cannot run: the next one in the list is tried.
+            def run() -> Plan:
+                p = planner()
+                missing = sorted({ts.name for ts in _tensors(p, shape) if ts.role != "output"} - set(tensors))
+                if missing:
+                    raise DoesNotFit(f"the {type(p).__name__} program that fits needs HBM tensors "
+                                     f"{', '.join(missing)} this operator was not given")
+                return p
+            return run
+
+        planners = _planners(shape, ctx.spec, ctx.budget)
+        _, plan = first_fitting([(name, given(planner)) for name, planner in planners], "moe")
+    p = plan
     # Re-planned into the same program with another split, its scratch tables can outgrow the ones
     # sized for the stand-alone plan (the gather program's shared partials: one table per
     # intermediate range).

@@ -110,3 +110,15 @@ def test_auto_takes_panel_before_gather_for_a_dense_ffn(experts, want):
                         "experts": experts, "top_k": 8 if experts else 1, "shared_experts": 1,
                         "activation": "silu"})
     assert isinstance(plan_moe(shape, load_preset("jalapeno-v1")), want)
+
+
+@pytest.mark.parametrize(("tokens", "want"), [(80, MoePlan), (96, GatherPlan)])
+def test_a_slot_plan_starved_of_buffers_gives_way_to_gather(tokens, want):
+    """Kimi K2.5's routed MoE on jalapeno-v1: at 80 tokens the slot program keeps three weight
+    buffers (588 us, gather 800); at 96 only two (1,083 us), and auto takes gather (800 us)."""
+    shape = get_kernel("moe").shape({"tokens": tokens, "hidden": 7168, "intermediate": 2048, "experts": 384,
+                                     "top_k": 8, "shared_experts": 1, "activation": "silu",
+                                     "router": "sigmoid_topk", "score_bias": True, "routing": "uniform"})
+    spec = load_preset("jalapeno-v1")
+    assert isinstance(plan_moe(shape, spec), want)
+    assert grouping_of(shape, spec) == ("gather" if want is GatherPlan else "dense")

@@ -72,7 +72,8 @@ class Arena:
     Free memory is a sorted list of segments per (space, core), each with the fences (region
     done conditions) a new occupant must wait for. ``alloc`` takes the first run of adjacent
     free segments that holds the bytes (the last such run, from the top, for a kept output),
-    preferring memory whose last occupants finished longest ago (unless ``first_fit``);
+    preferring memory whose last occupants finished longest ago (unless ``first_fit``, or for a
+    kept output when such memory is only in the lower half);
     ``release`` returns a region's memory with the region's done condition as its fence.
     """
 
@@ -102,6 +103,11 @@ class Arena:
         for recent in (True,) if self.first_fit else (False, True):
             find = self._find_top if keep else self._find
             best = find(segs, nbytes, align, allow_recent=recent)
+            if best is not None and keep and not recent and best[2] < self.caps[space] // 2:
+                # Old memory only low in the scratchpad: a kept output there would split the
+                # free memory as badly as first fit did, so it takes the top, fenced on a
+                # recent region (Kimi K2.5's layer-1 MoE at batch 80 did not fit otherwise).
+                best = None
             if best is not None:
                 break
         if best is None:

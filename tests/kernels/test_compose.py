@@ -285,3 +285,27 @@ def test_kept_outputs_go_to_the_top_and_leave_one_run_below():
     second = arena.alloc(Space.SRAM, 0, 4096, 64, region, keep=True)[0]
     assert second == (cap - 1000) // 64 * 64 - 4096  # right below the first
     assert arena.largest_free(1)[Space.SRAM] == second - 1000  # one run between the two ends
+
+
+def test_a_kept_output_takes_recent_memory_at_the_top_over_old_memory_low_down():
+    cap = TINY.sram.scratchpad_bytes
+
+    def arena_with_old(lo: int, hi: int) -> Arena:
+        """Old memory [lo, hi), the rest of the scratchpad freed in the last two releases."""
+        arena = Arena(TINY)
+        spans = [("below", 0, lo), ("old", lo, hi), ("above", hi, cap)]
+        for name, a, b in spans:
+            if b > a:
+                arena.alloc(Space.SRAM, 0, b - a, 64, type("R", (), {"name": name})(), keep=False)
+        for k, name in enumerate(("old", "below", "above")):
+            arena.release(name, frozenset({(800 + k, 1)}))
+        return arena
+
+    region = type("R", (), {"name": "norm"})()
+    top = (cap - 1000) // 64 * 64
+    # old memory only in the lower half: the top, though freed recently
+    assert arena_with_old(0, cap // 4).alloc(Space.SRAM, 0, 1000, 64, region, keep=True) == (
+        top, frozenset({(802, 1)}))
+    # old memory in the upper half: its top, no fence on a recent region
+    start, fences = arena_with_old(cap // 2, 3 * cap // 4).alloc(Space.SRAM, 0, 1000, 64, region, keep=True)
+    assert start == (3 * cap // 4 - 1000) // 64 * 64 and fences == {(800, 1)}

@@ -27,10 +27,10 @@ replaces, only scheduled differently. When the prefetch of an operator does not 
 operators still running, it waits until more of them are done (in the limit, until the
 operator before it is: no lookahead). At its own turn, when its buffers do not fit with the
 arena's preference for memory released longest ago (which only serves prefetch overlap), it is
-placed again by plain first fit over all free memory. Only when it does not fit even then, beside
-the values still live on chip, is it re-planned within what they leave (``FusedOp.replanned``; its tiling,
-and for kernels whose arithmetic follows the tiling its results, may then differ from the
-stand-alone launch's).
+placed again by plain first fit over all free memory. Only when it does not fit even then,
+beside the values still live on chip, is it re-planned within what they leave
+(``FusedOp.replanned``; its tiling, and for kernels whose arithmetic follows the tiling its
+results, may then differ from the stand-alone launch's).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class Arena:
     done conditions) a new occupant must wait for. ``alloc`` takes the first run of adjacent
     free segments that holds the bytes (the last such run, from the top, for a kept output),
     preferring memory whose last occupants finished longest ago (unless ``first_fit``, or for a
-    kept output when such memory is only in the lower half);
-    ``release`` returns a region's memory with the region's done condition as its fence.
+    kept output when such memory is only in the lower half); ``release`` returns a region's
+    memory with the region's done condition as its fence.
     """
 
     def __init__(self, spec: ChipSpec) -> None:

@@ -114,8 +114,10 @@ MAX_TOKENS = 128
 """Tokens the slot program takes at most: one matrix-unit row tile (every slot's list fits it)."""
 # Items per core beyond which the slice choice is penalised (estimate x (1 + excess / this)): the
 # program, and the checker's work, stay small enough to build, check and time a full-size layer in
-# seconds to tens of seconds.
-_MAX_ITEMS_PER_CORE = 64
+# seconds to tens of seconds. At 64 it turned down 64-column slices that model a faster kernel for
+# little emulator time: Kimi K2.5 at 64 tokens on jalapeno-v1 623.5 -> 535.5 us (156k -> 223k
+# instructions, 2.3 -> 2.8 s to build and time), DeepSeek-R1 at 80 tokens 531.8 -> 455.6 us.
+_MAX_ITEMS_PER_CORE = 128
 _REDUCE_GROUP = 16  # partials pulled per round of the dense reduction (bounds its buffer)
 _REDUCE_QUEUES = 4  # DMA queues the dense reduction spreads its pulls over (at most)
 # Weight loads in flight per core: two keep the DMA latency hidden, and the first item's weights

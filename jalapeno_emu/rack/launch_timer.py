@@ -47,6 +47,7 @@ from jalapeno_emu.emu.timing import run_timing
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.files import cache_root
 from jalapeno_emu.fingerprint import code_fingerprint, spec_fingerprint
+from jalapeno_emu.kernels.planning import DoesNotFit
 from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
@@ -198,6 +199,8 @@ class LaunchTimer:
 
         Raises:
             InvalidArgumentError: a kernel of the part has no emitter or refuses its shape.
+            DoesNotFit: operators were re-planned and the program is slower than the launches
+                back to back (the caller then times the launches).
         """
         key = ("part", cfg.attention, step, tuple((la.label, la.kernel, la.shape) for la in launches))
         hit = self._parts.get(key)
@@ -213,11 +216,23 @@ class LaunchTimer:
                 with gc_paused():
                     fb = build_part(cfg, step, self.spec, layer, launches)
                     s = run_timing(fb.program, self.spec).summary()
+                    replanned = [op.label for op in fb.composer.ops if op.replanned]
                     del fb  # see _build_and_time
                 self.builds += 1
                 self.build_wall_s += time.perf_counter() - t0
                 hit = LaunchTime(float(s["makespan_s"]), float(s["hbm_bytes"]), float(s["flops"]),
                                  str(s["bound"]), int(s["instructions"]))
+                if replanned:
+                    # Operators re-planned into the memory the others leave can make the program
+                    # slower than its launches back to back, launch costs included (Kimi K2.5's
+                    # dense-layer token part at 4,096 tokens: 4.26 ms fused, 1.03 ms launched);
+                    # the software would launch them then, and so does the caller on this error.
+                    launched = sum(self.time(la).time_s for la in launches)
+                    if launched < hit.time_s:
+                        raise DoesNotFit(
+                            f"the fused part ({', '.join(la.label for la in launches)}) takes "
+                            f"{hit.time_s * 1e6:,.1f} us with {', '.join(replanned)} re-planned, its "
+                            f"launches {launched * 1e6:,.1f} us")
                 self._write_line(disk_key, hit)
             self._parts[key] = hit
         return hit

@@ -147,3 +147,36 @@ def test_a_fused_dense_ffn_after_its_norm_plans_as_stand_alone():
     # one program: no launch cost, the same work, and no slower than the launches back to back
     assert part.flops == pytest.approx(sum(a.flops for a in alone), rel=1e-9)
     assert part.pieces == 1 and 0 < part.time_s < sum(a.time_s for a in alone)
+
+
+def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refused(monkeypatch):
+    """A fused part whose operators were re-planned into the memory the others left can be slower
+    than its launches back to back (Kimi K2.5's dense-layer token part at 4,096 tokens: 4.26 ms
+    fused, 1.03 ms launched); time_part then refuses it, and the step model times the launches."""
+    import jalapeno_emu.model.fused as fused
+    from jalapeno_emu.kernels.planning import DoesNotFit
+    from jalapeno_emu.rack.launch_timer import LaunchTime
+
+    cfg = load_model_config("tiny-deepseek")
+    layer = next(i for i in range(cfg.layers) if cfg.is_moe(i))
+    mapping = Mapping(tp=2)
+    launches = token_launches(cfg, mapping, layer, 2)
+    step = Step("decode", batch=2, context=DENSE_PART_CONTEXT)
+    real = fused.build_part
+
+    def with_a_replan(*args, **kwargs):
+        fb = real(*args, **kwargs)
+        fb.composer.ops[0].replanned = True
+        return fb
+
+    monkeypatch.setattr(fused, "build_part", with_a_replan)
+    for launched_s, refused in ((1e-9, True), (1.0, False)):
+        timer = LaunchTimer("tiny")
+        each = LaunchTime(launched_s, 0.0, 0.0, "latency", 1)
+        monkeypatch.setattr(timer, "time", lambda la, each=each, **kw: each)
+        if refused:
+            with pytest.raises(DoesNotFit, match="re-planned, its launches"):
+                timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+        else:
+            fig = timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+            assert 0 < fig.time_s < 1.0

@@ -70,19 +70,8 @@ class _ScanningClocks(clocks.Clocks):
 
 def reference_later_signals(program: Program, order: list[int], sem_signals,
                             max_rounds: int = 8) -> dict[int, dict[Engine, int]]:
-    """``clocks.later_signals`` with the scanning clocks."""
-    if not any(ins.mnemonic == "sem.wait" for ins in program.instructions):
-        return {}
-    later: dict[int, dict[Engine, int]] = {}
-    for _ in range(max_rounds):
-        clocks = _ScanningClocks(sem_signals, later)
-        for idx in order:
-            clocks.step(idx, program.instructions[idx])
-        found = clocks.signals_after_waits()
-        if found == later:
-            break
-        later = found
-    return later
+    """``clocks.later_signals`` (its fixed point) with the scanning clocks."""
+    return clocks.later_signals(program, order, sem_signals, max_rounds, clocks=_ScanningClocks)
 
 
 def _check_races(prior: list, tile: Tile, writes: bool, eng: Engine, vc: dict, idx: int,
@@ -165,13 +154,13 @@ def reference_check_program(program: Program, spec: ChipSpec, *,
         if ins.mnemonic == "sem.signal":
             sem_signals[ins.arg("sem")][ins.engine] += ins.arg("count")
     later = reference_later_signals(program, order, sem_signals)
-    clocks = _ScanningClocks(sem_signals, later)
+    walk = _ScanningClocks(sem_signals, later)
     ctx = races.CheckContext(program, order, sem_signals, later)
     accesses: dict[tuple[Space, int], list[tuple]] = defaultdict(list)
     written: dict[tuple[Space, int], _Written] = defaultdict(_Written)
     for idx in order:
         ins = program.instructions[idx]
-        eng, my_id, vc = clocks.step(idx, ins)
+        eng, my_id, vc = walk.step(idx, ins)
         for name, tile, writes in ins.tiles():
             key = (tile.space, tile.core if tile.space is not Space.HBM else 0)
             if not writes and check_uninitialized and tile.space is not Space.HBM:

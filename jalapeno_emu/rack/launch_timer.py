@@ -135,6 +135,9 @@ class LaunchTimer:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
         self._times: dict[tuple[str, tuple], LaunchTime] = {}
         self._parts: dict[tuple, LaunchTime] = {}
+        # Parts refused (a kernel's shape, or slower fused than launched): mappings that split a
+        # chip alike ask for the same part, and a refusal can cost a whole build and timing.
+        self._refused_parts: dict[tuple, InvalidArgumentError] = {}
         self._programs: dict[tuple[str, tuple], Any] | None = {} if keep_programs else None
         self.followers: list[LaunchTimer] = []
         """Timers of specs differing only in timing fields: each Program built here is also timed
@@ -203,6 +206,9 @@ class LaunchTimer:
                 back to back (the caller then times the launches).
         """
         key = ("part", cfg.attention, step, tuple((la.label, la.kernel, la.shape) for la in launches))
+        refused = self._refused_parts.get(key)
+        if refused is not None:
+            raise refused.with_traceback(None)
         hit = self._parts.get(key)
         if hit is None:
             disk_key = json.dumps(["part", cfg.attention, repr(step),
@@ -213,11 +219,15 @@ class LaunchTimer:
                 from jalapeno_emu.model.fused import build_part
 
                 t0 = time.perf_counter()
-                with gc_paused():
-                    fb = build_part(cfg, step, self.spec, layer, launches)
-                    s = run_timing(fb.program, self.spec).summary()
-                    replanned = [op.label for op in fb.composer.ops if op.replanned]
-                    del fb  # see _build_and_time
+                try:
+                    with gc_paused():
+                        fb = build_part(cfg, step, self.spec, layer, launches)
+                        s = run_timing(fb.program, self.spec).summary()
+                        replanned = [op.label for op in fb.composer.ops if op.replanned]
+                        del fb  # see _build_and_time
+                except InvalidArgumentError as exc:
+                    self._refused_parts[key] = exc
+                    raise
                 self.builds += 1
                 self.build_wall_s += time.perf_counter() - t0
                 hit = LaunchTime(float(s["makespan_s"]), float(s["hbm_bytes"]), float(s["flops"]),
@@ -229,10 +239,12 @@ class LaunchTimer:
                     # the software would launch them then, and so does the caller on this error.
                     launched = sum(self.time(la).time_s for la in launches)
                     if launched < hit.time_s:
-                        raise DoesNotFit(
+                        exc = DoesNotFit(
                             f"the fused part ({', '.join(la.label for la in launches)}) takes "
                             f"{hit.time_s * 1e6:,.1f} us with {', '.join(replanned)} re-planned, its "
                             f"launches {launched * 1e6:,.1f} us")
+                        self._refused_parts[key] = exc
+                        raise exc
                 self._write_line(disk_key, hit)
             self._parts[key] = hit
         return hit

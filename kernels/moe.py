@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ml_dtypes
@@ -201,9 +202,14 @@ def _planners(shape: dict[str, Any], spec: ChipSpec, budget: Budget,
     return [("slots", streaming_slots), ("gather", gather), ("slots", slots), ("panel", panel)]
 
 
-def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None) -> Plan:
+def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None, *,
+             given: Collection[str] | None = None) -> Plan:
     """Validate ``shape`` and choose the program and its split within ``budget`` (default: the
     stand-alone one): ``MoePlan`` (slots), ``PanelPlan`` or ``GatherPlan``.
+
+    Args:
+        given: the HBM tensors an operator has (a fused operator re-planned within a smaller
+            budget): a program that needs another is passed over like one that does not fit.
 
     Raises:
         InvalidArgumentError: a bad shape (naming the key). DoesNotFit: no program fits (each
@@ -211,8 +217,23 @@ def plan_moe(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None
     """
     check_shape(shape)
     budget = budget or Budget.of(spec)
-    _, plan = first_fitting(_planners(shape, spec, budget), f"kernel moe on {spec.name}")
+    planners = _planners(shape, spec, budget)
+    if given is not None:
+        planners = [(name, _needing_only(planner, shape, set(given))) for name, planner in planners]
+    _, plan = first_fitting(planners, f"kernel moe on {spec.name}")
     return plan
+
+
+def _needing_only(planner: Callable[[], Plan], shape: dict[str, Any], given: set[str]) -> Callable[[], Plan]:
+    """``planner``, raising DoesNotFit when its program needs an HBM tensor not in ``given``."""
+    def run() -> Plan:
+        p = planner()
+        missing = sorted({ts.name for ts in _tensors(p, shape) if ts.role != "output"} - given)
+        if missing:
+            raise DoesNotFit(f"the {type(p).__name__} program that fits needs HBM tensors "
+                             f"{', '.join(missing)} this operator was not given")
+        return p
+    return run
 
 
 def grouping_of(shape: dict[str, Any], spec: ChipSpec) -> str:
@@ -253,23 +274,8 @@ def emit_moe(ctx: EmitCtx, shape: dict[str, Any], tensors: dict[str, TensorRef],
     """Emit the MoE layer for ``shape`` (``KernelDef.emit``): the program ``plan_moe`` picks within
     ``ctx.budget``, reading ``tensors`` (every non-output tensor of ``moe_tensors``) and writing
     ``outs`` ("y", "expert_ids" for the slot programs). Yields/returns the output refs."""
-    if plan is None:
-        check_shape(shape)
-
-        def given(planner: Any) -> Any:
-            # Re-planned within a smaller budget (a fused program), a program whose HBM tensors
-            # this operator was not given cannot run: the next one in the list is tried.
-            def run() -> Plan:
-                p = planner()
-                missing = sorted({ts.name for ts in _tensors(p, shape) if ts.role != "output"} - set(tensors))
-                if missing:
-                    raise DoesNotFit(f"the {type(p).__name__} program that fits needs HBM tensors "
-                                     f"{', '.join(missing)} this operator was not given")
-                return p
-            return run
-
-        planners = _planners(shape, ctx.spec, ctx.budget)
-        _, plan = first_fitting([(name, given(planner)) for name, planner in planners], "moe")
+    if plan is None:  # re-planned within ctx.budget in a fused program, with these tensors
+        plan = plan_moe(shape, ctx.spec, ctx.budget, given=tensors)
     p = plan
     # Re-planned into the same program with another split, its scratch tables can outgrow the ones
     # sized for the stand-alone plan (the gather program's shared partials: one table per

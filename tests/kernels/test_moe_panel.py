@@ -135,3 +135,19 @@ def test_the_slot_planner_takes_64_column_slices_at_64_to_80_tokens(experts, tok
                                      "routing": "uniform"})
     p = plan_moe(shape, load_preset("jalapeno-v1"))
     assert isinstance(p, MoePlan) and {w for _, w in p.slices} == {64} and p.nbuf >= 3
+
+
+def test_a_program_needing_tensors_an_operator_lacks_is_passed_over():
+    """plan_moe(given=...) for a fused operator re-planned with the stand-alone plan's tensors: at
+    96 tokens Kimi K2.5 gathers, but given only the slot program's tensors it keeps the slots."""
+    from jalapeno_emu.kernels.moe import moe_tensors
+
+    shape = get_kernel("moe").shape({"tokens": 96, "hidden": 7168, "intermediate": 2048, "experts": 384,
+                                     "top_k": 8, "shared_experts": 1, "activation": "silu",
+                                     "router": "sigmoid_topk", "score_bias": True, "routing": "uniform"})
+    spec = load_preset("jalapeno-v1")
+    slot_names = {ts.name for ts in moe_tensors(dict(shape, grouping="dense"), spec)}
+    assert isinstance(plan_moe(shape, spec), GatherPlan)
+    assert isinstance(plan_moe(shape, spec, given=slot_names), MoePlan)
+    with pytest.raises(DoesNotFit, match=r"needs HBM tensors .* this operator was not given"):
+        plan_moe(shape, spec, given={"x", "y"})

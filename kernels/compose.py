@@ -126,6 +126,15 @@ class Arena:
         (self._kept if keep else self._held).setdefault(region.name, []).append((space, core, start, end))
         return start, fences
 
+    def _released_recently(self, fences: frozenset[Ready]) -> bool:
+        """Whether memory behind ``fences`` was released in the last two releases (segments share
+        few fence sets: each is tested once per release)."""
+        hit = self._recent.get(fences)
+        if hit is None:
+            horizon = self._releases - 1
+            hit = self._recent[fences] = any(self._age.get(f, 0) >= horizon for f in fences)
+        return hit
+
     def _find(self, segs: list[_Segment], nbytes: int, align: int, allow_recent: bool
               ) -> tuple[int, int, int] | None:
         """(i, j, start): the first run of adjacent free segments ``segs[i..j]`` (none released
@@ -135,18 +144,13 @@ class Arena:
         One pass: a run that starts at segment i and does not fit cannot fit from any later
         segment of the same maximal run either (same end, a later start), so only the first
         segment of each maximal run of adjacent usable segments is a candidate start."""
-        recent = None if allow_recent else self._recent
-        age, horizon = self._age, self._releases - 1
+        recent = not allow_recent
         i = -1
         start = end = 0
         for j, (s_start, s_end, fences) in enumerate(segs):
-            if recent is not None and fences:
-                hit = recent.get(fences)
-                if hit is None:  # segments share few fence sets: test each once per release
-                    hit = recent[fences] = any(age.get(f, 0) >= horizon for f in fences)
-                if hit:
-                    i = -1
-                    continue
+            if recent and fences and self._released_recently(fences):
+                i = -1
+                continue
             if i < 0 or s_start != end:
                 i = j
                 start = -(-s_start // align) * align
@@ -163,19 +167,14 @@ class Arena:
         operators around them, and scattered over the middle of the scratchpad they left no run
         large enough for a later operator's buffers (DeepSeek-R1's layer-3 MoE at batch 32 was
         re-planned beside two 14 KB norm outputs, 638 us against 408 us)."""
-        recent = None if allow_recent else self._recent
-        age, horizon = self._age, self._releases - 1
+        recent = not allow_recent
         j = -1
         start = end = 0
         for i in range(len(segs) - 1, -1, -1):
             s_start, s_end, fences = segs[i]
-            if recent is not None and fences:
-                hit = recent.get(fences)
-                if hit is None:
-                    hit = recent[fences] = any(age.get(f, 0) >= horizon for f in fences)
-                if hit:
-                    j = -1
-                    continue
+            if recent and fences and self._released_recently(fences):
+                j = -1
+                continue
             if j < 0 or s_end != start:  # a new run: segs[i] is its top
                 j, end = i, s_end
             start = s_start

@@ -3,6 +3,8 @@ stand-alone launches compute, bit for bit, pass the checker, and reuse memory sa
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -228,12 +230,17 @@ def test_a_region_skips_fences_an_earlier_fence_implies_and_still_checks():
     check_program(kb.build(), TINY)
 
 
+def _region(name: str) -> SimpleNamespace:
+    """What Arena.alloc reads of a region: its name."""
+    return SimpleNamespace(name=name)
+
+
 def _middle_old_arena(cap: int, small: int) -> Arena:
     """An arena of one core whose only old free memory (released two releases ago and more) is a
     ``small``-byte block in the middle: [0, m) and [m + small, cap) were freed last."""
     arena = Arena(TINY)
     m = cap // 2 - small
-    r = [type("R", (), {"name": n})() for n in ("r1", "r2", "r3")]
+    r = [_region(n) for n in ("r1", "r2", "r3")]
     for region, nbytes in zip(r, (m, small, cap - m - small), strict=True):
         arena.alloc(Space.SRAM, 0, nbytes, 64, region, keep=False)
     for k, name in enumerate(("r2", "r1", "r3")):
@@ -244,7 +251,7 @@ def _middle_old_arena(cap: int, small: int) -> Arena:
 def test_first_fit_places_what_the_preference_for_old_memory_cannot():
     cap, small = TINY.sram.scratchpad_bytes, 4096
     big = cap // 2 + 8192  # larger than either run around the middle block
-    region = type("R", (), {"name": "op"})()
+    region = _region("op")
     arena = _middle_old_arena(cap, small)
     assert arena.alloc(Space.SRAM, 0, small, 64, region, keep=False)[0] == cap // 2 - small
     with pytest.raises(ArenaFull):
@@ -279,7 +286,7 @@ def test_an_operator_that_fits_by_first_fit_is_not_replanned():
 def test_kept_outputs_go_to_the_top_and_leave_one_run_below():
     cap = TINY.sram.scratchpad_bytes
     arena = Arena(TINY)
-    region = type("R", (), {"name": "op"})()
+    region = _region("op")
     assert arena.alloc(Space.SRAM, 0, 1000, 64, region, keep=True)[0] == (cap - 1000) // 64 * 64
     assert arena.alloc(Space.SRAM, 0, 1000, 64, region, keep=False)[0] == 0
     second = arena.alloc(Space.SRAM, 0, 4096, 64, region, keep=True)[0]
@@ -296,12 +303,12 @@ def test_a_kept_output_takes_recent_memory_at_the_top_over_old_memory_low_down()
         spans = [("below", 0, lo), ("old", lo, hi), ("above", hi, cap)]
         for name, a, b in spans:
             if b > a:
-                arena.alloc(Space.SRAM, 0, b - a, 64, type("R", (), {"name": name})(), keep=False)
+                arena.alloc(Space.SRAM, 0, b - a, 64, _region(name), keep=False)
         for k, name in enumerate(("old", "below", "above")):
             arena.release(name, frozenset({(800 + k, 1)}))
         return arena
 
-    region = type("R", (), {"name": "norm"})()
+    region = _region("norm")
     top = (cap - 1000) // 64 * 64
     # old memory only in the lower half: the top, though freed recently
     assert arena_with_old(0, cap // 4).alloc(Space.SRAM, 0, 1000, 64, region, keep=True) == (

@@ -1,7 +1,7 @@
 """Kernel library for the emulated die (installed as ``jalapeno_emu.kernels``).
 
 Stage: kernels, on top of the ISA builder and the emulator. One module per kernel family
-(``norm``, ``gemm``, ``attention``, ``mla_decode``, ``mla_prefill``, ``moe``, ``cache`` and
+(``norm``, ``gemm``, ``embedding``, ``attention``, ``mla_decode``, ``mla_prefill``, ``moe``, ``cache`` and
 ``mla_append``; the registry finds them), each kernel registered as a ``KernelDef``
 with shape keys, a Program builder, input generation and a pure-JAX reference; ``run_kernel``
 checks, times and (optionally) verifies one.

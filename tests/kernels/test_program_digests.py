@@ -28,7 +28,7 @@ PINNED: dict[str, tuple[str, float]] = {
                         7.815336580086578e-06),
     'attention-prefill': ('7698eb8722170d058e1c847bc3fcac7f67145ffa32c9155fb7400a483cc0f4f5',
                          2.0469715476190497e-05),
-    'embedding': ('4bd96defdf914bebb78f3251d6ba30f6d6d6be7054e2bd7dd17f5a76a93b5a60',
+    'embedding': ('17936d95c6e9ec4637538e7232013c410e5093e19bf471c80e2369265a60b655',
                  6.589277056277057e-06),
     'gemm': ('94c57f6310307aecbcf900c041bf1a49475f0fad67f2b4a6330fbcd8160ef44f',
             6.053800865800866e-06),

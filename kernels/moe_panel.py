@@ -17,12 +17,22 @@ GPU kernels do:
    ``hk`` rows (x panels read from the core's resident copy of xq when it fits, else from HBM),
    the weights *gathered* from the packed table by slot u's expert id (the split layout of
    ``moe_pack``, one gather per K panel's codes and scales); + gate/up bias, the activation, times
-   each token's gate weight, quantised into the HBM scratch ``acts`` [(S + D) * T, I].
+   each token's gate weight, quantised into the HBM scratch ``acts`` [(S + D) * T, I], stored I
+   panel by I panel (``PanelPlan.act_panel``: a panel's T rows are contiguous, so the
+   down items of every core, which read the same panel at about the same time, find it spread
+   over the HBM channels instead of on the few that a [T, I] row stride maps it to).
 3. Down items (term u, H block of ``hb`` columns): out_u[:, hb] = acts_u @ Wd_u[:, hb] in I panels
    of ``ik`` rows (+ the down-bias matmul: the gate weights' three BF16 parts times the bias, as
    the dense program does), FP32 rows into the HBM scratch ``outs`` [(S + D) * T, H].
 4. Combine items (H block of ``hc`` columns): y = ((out_0 + out_1) + ...) in term order, FP32,
-   rounded to BF16 once.
+   rounded to BF16 once. With one term (a dense FFN, ``PanelPlan.direct``) there is nothing to
+   add: each down item reads its accumulator out as BF16 (the same single rounding) into y.
+
+Phases 2 and 3 keep ``nbuf`` panels per core in flight (3 to 8, as the scratchpad allows): each
+panel's load pays a DMA set-up and the HBM latency, which fewer loads in flight cannot hide
+(DeepSeek-R1's dense FFN at 96 tokens on jalapeno-v1, 3 buffers: a load-then-matmul round of
+2.6 us per three 0.64 us matmuls). Slice widths and H blocks include ones that spread the items
+evenly over the cores (``_even_widths``).
 
 Terms are the shared experts first, then the D slots. Global semaphores separate the phases, so
 each core reuses one scratchpad region for the four phases' tiles. The reference
@@ -31,8 +41,10 @@ same operations: per slice gate|up, activation, weight, quantisation; one down m
 matmul) and adds the terms in the same order.
 
 Costs against the dense program: acts and outs go through HBM (T * I and 4 * T * H bytes per term),
-and each down item re-reads its term's activations per H block (T * I bytes); at decode sizes
-(T <= 64) these are a few to tens of per cent of the weight bytes. HBM tensors the caller binds
+and each down item re-reads its term's activations per H block (T * I bytes), as each gate|up
+item reads all of x; at decode sizes (T <= 64) these are a few to tens of per cent of the weight
+bytes, and on jalapeno-v1 they make DeepSeek-R1's dense FFN at 96 tokens HBM-bound (210 MB of
+weights, 44 MB of x and 99 MB of activations read by 64 and 56 cores). HBM tensors the caller binds
 (x, router, biases, packed tables, y, expert_ids) are those of the dense program; the packed
 tables use ``moe_pack``'s split layout, which ``pack_experts`` writes from the plan.
 """
@@ -47,7 +59,7 @@ import numpy as np
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.isa.builder import MXTensor
 from jalapeno_emu.isa.program import Tile
-from jalapeno_emu.isa.table import Space
+from jalapeno_emu.isa.table import DTYPES, Space
 from jalapeno_emu.lazy import LazyModule
 
 from .base import TensorSpec
@@ -82,16 +94,19 @@ from .moe_routing import (
     routing_buffers,
     routing_dims,
 )
-from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner
+from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
 
 jnp = LazyModule("jax.numpy")
 
 __all__ = ["PanelPlan", "emit_panel", "panel_reference", "panel_tensors", "plan_panel"]
 
-_NBUF = 3  # weight panels in flight per core (two loads ahead of the matrix unit)
+_NBUFS = (3, 4, 6, 8)  # weight panels per core the planner tries (nbuf - 1 loads ahead of the matrix unit)
 _NG = 4  # combine terms in flight per core
 _MAX_TOKENS = 128  # one matrix-unit row tile: every slot computes every token
 _MAX_INSTRUCTIONS = 300_000  # beyond this the estimate is penalised (build and timing time)
+# Each this many instructions add 1 % to the estimate: of two splits within a few per cent, the
+# one with larger panels (a program quicker to build and time) wins.
+_INSTRUCTIONS_PER_PERCENT = 50_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +118,10 @@ class PanelPlan(MoeLayout):
         cores: cores used. hk: gate|up K panel rows. ik: down I panel rows. rk: router K panel rows.
         tb: tokens routed per block. qc: x columns quantised per item. hc: combine columns per item.
         x_resident: each core keeps all of xq in its scratchpad (else K panels come from HBM).
+        nbuf: weight (and x or activation) panels per core in phases 2 and 3: a panel's load
+            waits for the matmul that read its buffer ``nbuf`` panels earlier, so ``nbuf - 1``
+            loads are in flight ahead of the matrix unit, each paying a DMA set-up and the HBM
+            latency.
     """
 
     cores: int
@@ -113,6 +132,7 @@ class PanelPlan(MoeLayout):
     qc: int
     hc: int
     x_resident: bool
+    nbuf: int = 3
 
     @property
     def terms(self) -> int:
@@ -123,6 +143,34 @@ class PanelPlan(MoeLayout):
     def hb(self) -> int:
         """Widest H block of the down projection."""
         return max(w for _, w in self.down_blocks)
+
+    @property
+    def direct(self) -> bool:
+        """One term (a dense FFN: one shared expert, no routing): each down item rounds its rows
+        to BF16 and writes them to y itself; there is nothing to combine and no ``outs`` scratch."""
+        return self.terms == 1
+
+    @property
+    def act_panels(self) -> list[tuple[int, int]]:
+        """(first column, width) of the down projection's I panels: the HBM scratch ``acts``
+        holds each term's panel as T contiguous rows of ``ik`` columns."""
+        return _panels(self.i, self.ik)
+
+    def act_panel(self, acts: MXTensor | Tile, u: int, panel: int) -> MXTensor | Tile:
+        """Term u's I panel ``panel`` in the HBM scratch ``acts``: its T rows of ``width`` columns
+        stored one after another from element ``(u * I + first column) * T`` of the [(S + D) * T,
+        I] allocation (and likewise in the MX scales), so that the scratch's shape does not
+        depend on ``ik``."""
+        k0, kw = self.act_panels[panel]
+        base = (u * self.i + k0) * self.t
+
+        def part(tile: Tile, per: int) -> Tile:
+            bytes_at = DTYPES[tile.dtype].row_bytes
+            return Tile(tile.space, tile.core, tile.offset + bytes_at(base // per), tile.dtype,
+                        self.t, kw // per, bytes_at(kw // per))
+        if isinstance(acts, MXTensor):
+            return MXTensor(part(acts.codes, 1), part(acts.scales, 32), acts.axis)
+        return part(acts, 1)
 
     def gu_items(self) -> list[tuple[int, int]]:
         """(term, slice) of every gate|up item; item n runs on core n % cores."""
@@ -167,8 +215,8 @@ def _gu_specs(p: PanelPlan, fmt: str, activation: str) -> list[Spec]:
     """Phase 2: gate|up items."""
     w = p.slice_max
     out = mx_specs("xres", fmt, p.t, p.h) if p.x_resident else \
-        [spec for b in range(_NBUF) for spec in mx_specs(f"xk{b}", fmt, p.t, p.hk)]
-    out += [(f"wk{b}", "u8", (1, _gu_bytes(p, w))) for b in range(_NBUF)]
+        [spec for b in range(p.nbuf) for spec in mx_specs(f"xk{b}", fmt, p.t, p.hk)]
+    out += [(f"wk{b}", "u8", (1, _gu_bytes(p, w))) for b in range(p.nbuf)]
     out += [(f"gub{b}", "bf16", (1, 2 * w)) for b in range(2)] if p.expert_bias else []
     out += [(f"wrow{b}", "f32", (1, p.t)) for b in range(2)]
     out += [("gu", "f32", (p.t, 2 * w)), ("tmp", "f32", (p.t, w))]
@@ -179,9 +227,9 @@ def _gu_specs(p: PanelPlan, fmt: str, activation: str) -> list[Spec]:
 
 def _dn_specs(p: PanelPlan, fmt: str) -> list[Spec]:
     """Phase 3: down items."""
-    out = [spec for b in range(_NBUF) for spec in mx_specs(f"ak{b}", fmt, p.t, p.ik)]
-    out += [(f"wd{b}", "u8", (1, _dn_bytes(p, p.hb))) for b in range(_NBUF)]
-    out += [(f"ot{b}", "f32", (p.t, p.hb)) for b in range(2)]
+    out = [spec for b in range(p.nbuf) for spec in mx_specs(f"ak{b}", fmt, p.t, p.ik)]
+    out += [(f"wd{b}", "u8", (1, _dn_bytes(p, p.hb))) for b in range(p.nbuf)]
+    out += [(f"ot{b}", "bf16" if p.direct else "f32", (p.t, p.hb)) for b in range(2)]
     if p.expert_bias:
         out += [(f"brow{b}", "f32", (1, p.t)) for b in range(2)]
         out += [(f"db{b}", "bf16", (1, p.hb)) for b in range(2)]
@@ -209,7 +257,7 @@ def _plain_specs(p: PanelPlan) -> list[Spec]:
 def _layouts(p: PanelPlan, shape: dict[str, Any]) -> list[list[Spec]]:
     fmt = shape["act_fmt"]
     return [_route_specs(p, fmt), _gu_specs(p, fmt, shape["activation"]), _dn_specs(p, fmt),
-            _combine_specs(p)]
+            *([] if p.direct else [_combine_specs(p)])]
 
 
 def _sram_bytes(p: PanelPlan, shape: dict[str, Any]) -> int:
@@ -237,27 +285,64 @@ def _tb(t: int, e: int, k: int, shape: dict[str, Any], room: int) -> int:
     return 0
 
 
-def _estimate_s(p: PanelPlan, spec: ChipSpec) -> float:
-    """Seconds: per phase, the busiest core's bytes over a core's share of HBM (all cores
-    streaming), or every byte over HBM, whichever is longer; plus a small per-instruction term."""
+def _even_widths(n: int, terms: int, cores: int) -> list[int]:
+    """Widths (multiples of 32) that cut ``n`` columns of ``terms`` terms into about 1, 2, 3 or 4
+    items per core: DeepSeek-R1's 18,432 intermediate columns in slices of 288 are 64 items on
+    64 cores, where slices of 256 are 72 (8 cores doing two, the rest waiting for them)."""
+    out = []
+    for per_core in (1, 2, 3, 4):
+        items = max(1, cores * per_core // max(1, terms))
+        out.append(max(32, -(-n // (items * 32)) * 32))
+    return out
+
+
+def _phase_s(steps: int, step_bytes: int, mm_s: float, nbuf: int, per_core: float, spec: ChipSpec) -> float:
+    """Seconds for one core's ``steps`` panels of a phase: each panel's load (``step_bytes``, a DMA
+    set-up and the HBM latency) waits for the matmul ``nbuf`` panels back, so the steady step is
+    the longest of the matmul, the bytes at the core's HBM share, and one load-then-matmul round
+    shared by the ``nbuf`` buffers; plus the first load."""
+    if not steps:
+        return 0.0
+    fixed = spec.dma.setup_latency_s + spec.hbm.latency_s
+    port = step_bytes / spec.dma.bytes_per_s_per_core
+    step = max(mm_s, step_bytes / per_core, (fixed + port + mm_s) / nbuf)
+    return steps * step + fixed + port
+
+
+def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str = "fp8e4") -> float:
+    """Seconds: phases 2 and 3 as the busiest core's panels (``_phase_s``: matrix-unit steps of
+    ``act_fmt`` x MXFP4, bytes at the core's share of HBM, loads in flight per ``nbuf``), or every
+    byte over HBM, whichever is longer; plus the scratch traffic and a penalty on programs past
+    ``_MAX_INSTRUCTIONS``."""
     bw = spec.derived()["hbm_achievable_bytes_per_s"]
     per_core = core_hbm_bytes_per_s(spec, p.cores)
-    x_item = 0 if p.x_resident else p.t * p.h * 33 // 32
-    gu_weights = sum(p.h * 2 * w * 17 // 32 for _, w in p.slices) // len(p.slices)
-    gu_item = gu_weights + x_item + p.t * p.slice_max
-    dn_item = p.i * p.hb * 17 // 32 + p.t * p.i + 4 * p.t * p.hb
+    mx = spec.matrix
+    step_s = (mxu_cycles_per_step(spec, "bf16" if act_fmt == "bf16" else act_fmt, "fp4")
+              + mx.issue_overhead_cycles) / spec.core.clock_hz
+    row_tiles = -(-p.t // mx.tile_m)
+    x_panel = 0 if p.x_resident else p.t * p.hk * 33 // 32
+    kpanels, ipanels = _panels(p.h, p.hk), _panels(p.i, p.ik)
     out_s = 0.0
-    for n_items, item in ((len(p.gu_items()), gu_item), (len(p.down_items()), dn_item)):
-        busiest = -(-n_items // p.cores) * item
-        out_s += max(busiest / per_core, n_items * item / bw)
-    out_s += 4 * p.terms * p.t * p.h / bw + (p.h if p.x_resident else 0) * p.t * p.cores / bw
-    # Each K / I panel is a DMA set-up on its core, and about six instructions: small panels
-    # cost time and make a program that is slow to build, check and time.
-    gu_steps = len(p.gu_items()) * len(_panels(p.h, p.hk))
-    dn_steps = len(p.down_items()) * len(_panels(p.i, p.ik))
-    out_s += (-(-gu_steps // p.cores) + -(-dn_steps // p.cores)) * spec.dma.setup_latency_s
+    phases = (
+        (len(p.gu_items()), len(kpanels), p.hk * 2 * p.slice_max * 17 // 32 + x_panel,
+         row_tiles * -(-2 * p.slice_max // mx.tile_n) * (p.hk // mx.tile_k) * step_s,
+         p.h * 2 * p.i * 17 // 32 // max(1, len(p.slices)) + p.t * p.slice_max),
+        (len(p.down_items()), len(ipanels), p.ik * p.hb * 17 // 32 + p.t * p.ik * 33 // 32,
+         row_tiles * -(-p.hb // mx.tile_n) * (p.ik // mx.tile_k) * step_s,
+         p.i * p.hb * 17 // 32 + p.t * p.i + 4 * p.t * p.hb),
+    )
+    for n_items, n_panels, panel_bytes, mm_s, item_bytes in phases:
+        busiest = -(-n_items // p.cores)
+        out_s += max(_phase_s(busiest * n_panels, panel_bytes, mm_s, p.nbuf, per_core, spec),
+                     n_items * item_bytes / bw)
+    outs_bytes = 0 if p.direct else 8 * p.terms * p.t * p.h  # FP32 rows stored, then read to combine
+    out_s += (outs_bytes + (p.h if p.x_resident else 0) * p.t * p.cores) / bw
+    # About six instructions per panel: small panels make a program slow to build, check and time.
+    gu_steps = len(p.gu_items()) * len(kpanels)
+    dn_steps = len(p.down_items()) * len(ipanels)
     instructions = 6 * (gu_steps + dn_steps)
-    return out_s * (1 + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
+    return out_s * (1 + instructions / _INSTRUCTIONS_PER_PERCENT / 100
+                    + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
 
 
 @memoised_planner
@@ -281,8 +366,9 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
                          f"{sram_cap:,} B of scratchpad {spec.name} plans with")
     rd = routing_dims(tb, e, k, shape) if e else None
     w_key = shape["slice"]
-    widths = [w_key] if w_key else sorted({min(w, i) for w in (32, 64, 128, 256)})
-    hbs = sorted({min(b, h) for b in (32, 64, 128, 256, 512)})
+    widths = [w_key] if w_key else \
+        sorted({min(w, i) for w in (32, 64, 128, 256, *_even_widths(i, d + s, cores_avail))})
+    hbs = sorted({min(b, h) for b in (32, 64, 128, 256, 512, *_even_widths(h, d + s, cores_avail))})
     panels = (512, 256, 128, 64, 32)
     best: tuple[float, PanelPlan] | None = None
     for w in widths:
@@ -303,9 +389,17 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
                     p = _shrink(p, shape, sram_cap)
                     if p is None or _acc_bytes(p) > acc_cap:
                         continue
-                    est = _estimate_s(p, spec)
-                    if best is None or est < best[0]:
-                        best = (est, p)
+                    # Most buffers among equal estimates: the estimate takes a load's latency as
+                    # its fixed cost, where loads queued in busy HBM channels take longer, which
+                    # more loads in flight hide (gpt-oss on b200 at 16 tokens: 183.1 us with 3
+                    # buffers, 173.7 with 4, both estimated 143.4).
+                    for nbuf in sorted(_NBUFS, reverse=True):
+                        q = p if nbuf == p.nbuf else PanelPlan(**{**p.__dict__, "nbuf": nbuf})
+                        if _sram_bytes(q, shape) > sram_cap:
+                            continue
+                        est = _estimate_s(q, spec, shape["act_fmt"])
+                        if best is None or est < best[0]:
+                            best = (est, q)
     if best is None:
         raise DoesNotFit(
             f"shape key hidden={h} (tokens={t}, intermediate={i}): no panel split of the expert-slot "
@@ -317,6 +411,25 @@ def plan_panel(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
 def _panels(n: int, width: int) -> list[tuple[int, int]]:
     """(first row, rows) of the panels of ``width`` rows (the last may be narrower) over n rows."""
     return [(r0, min(width, n - r0)) for r0 in range(0, n, width)]
+
+
+def _x_pieces(kpanels: list[tuple[int, int]], min_cols: int = 1024) -> list[tuple[int, int, int]]:
+    """Per K panel, (first column, width, index) of the resident-x piece that holds it: the first
+    panel alone (the first matmul starts once it lands), then runs of panels of at least
+    ``min_cols`` columns (fewer DMA set-ups)."""
+    out: list[tuple[int, int, int]] = []
+    k = 0
+    while k < len(kpanels):
+        end = k + 1
+        if k:
+            while end < len(kpanels) and kpanels[end - 1][0] + kpanels[end - 1][1] - kpanels[k][0] < min_cols:
+                end += 1
+        a = kpanels[k][0]
+        width = kpanels[end - 1][0] + kpanels[end - 1][1] - a
+        index = out[-1][2] + 1 if out else 0
+        out += [(a, width, index)] * (end - k)
+        k = end
+    return out
 
 
 def _qc(h: int, t: int, sram_cap: int) -> int:
@@ -399,8 +512,8 @@ def panel_tensors(p: PanelPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]
     mx_axis = None if fmt == "bf16" else 1
     out = [TensorSpec("x", (t, h), "bf16", "input"), TensorSpec("y", (t, h), "bf16", "output")]
     out += [TensorSpec("xq", (t, h), fmt, "scratch", mx_axis),
-            TensorSpec("acts", (p.terms * t, p.i), fmt, "scratch", mx_axis),
-            TensorSpec("outs", (p.terms * t, h), "f32", "scratch")]
+            TensorSpec("acts", (p.terms * t, p.i), fmt, "scratch", mx_axis)]
+    out += [] if p.direct else [TensorSpec("outs", (p.terms * t, h), "f32", "scratch")]
     out += weight_specs(p)
     if e:
         out += [TensorSpec("expert_ids", (p.d, 1), "i32", "output"),
@@ -414,7 +527,7 @@ class _Hbm:
     x: TensorRef
     xq: MXTensor | Tile | None
     acts: MXTensor | Tile
-    outs: Tile
+    outs: Tile | None
     router: Tile | None
     router_bias: Tile | None
     score_bias: Tile | None
@@ -437,7 +550,7 @@ def _hbm(p: PanelPlan, shape: dict[str, Any], t: dict[str, TensorRef], ids_out: 
     # bf16 activations: the items read x in place when it is an HBM input ready at the start,
     # else a copy in the scratch xq.
     xq = x.base if shape["act_fmt"] == "bf16" and x.in_hbm and not x.waits() else _tile(t["xq"])
-    return _Hbm(x=x, xq=xq, acts=_tile(t["acts"]), outs=t["outs"].base,
+    return _Hbm(x=x, xq=xq, acts=_tile(t["acts"]), outs=t["outs"].base if "outs" in t else None,
                 router=_tile(t.get("router")), router_bias=_tile(t.get("router_bias")),
                 score_bias=_tile(t.get("score_bias")), experts=_tile(t.get("experts")),
                 shared=_tile(t.get("shared")), slot_ids=ids, slot_w=_tile(t.get("slot_weights")))
@@ -466,7 +579,7 @@ class _Emitter:
         p, out = self.p, {}
         pieces, ref = [], self.y_out.ref
         for c in range(p.cores):
-            for ci, (h0, hw) in enumerate(p.combine_items()[c::p.cores]):
+            for ci, (h0, hw) in enumerate(self._y_blocks(c)):
                 if self.y_out.in_hbm:
                     ref = ref.with_ready(0, h0, p.t, hw, (self.S[c].sem["y_stored"].id, ci + 1))
                 else:
@@ -484,6 +597,14 @@ class _Emitter:
     def q(self, c: int, i: int) -> Any:
         return self.kb.core(c).dma[i % self.nq]
 
+    def _y_blocks(self, c: int) -> list[tuple[int, int]]:
+        """(first column, width) of the y blocks core c writes, in order: its down items' H
+        blocks (``direct``), else its combine items."""
+        p = self.p
+        if p.direct:
+            return [p.down_blocks[b] for _, b in p.down_items()[c::p.cores]]
+        return p.combine_items()[c::p.cores]
+
     def _alloc(self, c: int) -> dict[str, Any]:
         p, kb = self.p, self.kb
         layouts = _layouts(p, self.shape)
@@ -499,7 +620,7 @@ class _Emitter:
         for name in [n[:-2] for n in list(B) if n.endswith(".c")]:
             B[name] = MXTensor(B.pop(f"{name}.c"), B.pop(f"{name}.s"), 1)
         if not self.y_out.in_hbm:  # kept outputs outlive the phase region: buffers of their own
-            for ci, (_, hw) in enumerate(p.combine_items()[c::p.cores]):
+            for ci, (_, hw) in enumerate(self._y_blocks(c)):
                 B[f"y{ci}"] = kb.sram(c, f"y{ci}", (p.t, hw), "bf16", keep=True)
         B["acc_gu"] = [kb.acc(c, f"acc_gu{b}", (p.t, 2 * p.slice_max)) for b in range(2)]
         B["acc_o"] = [kb.acc(c, f"acc_o{b}", (p.t, p.hb)) for b in range(2)]
@@ -521,7 +642,8 @@ class _Emitter:
                     self.routing(c)
             self.gate_up(c)
             self.down(c)
-            self.combine(c)
+            if not p.direct:
+                self.combine(c)
 
     def _engines(self, c: int) -> list[Any]:
         core = self.kb.core(c)
@@ -654,20 +776,23 @@ class _Emitter:
         q0, q1, m, v = self.q(c, 0), self.q(c, 1), core.mxu, core.vpu
         if self.shape["activation"] == "swiglu_oai":
             fill_constant(v, B["ones"], 1.0, B["csrc"])
-        if p.x_resident:
-            load_mx(q1, B["xres"], self.hbm.xq)
-            S.signal(q1, "xres")
         kpanels = _panels(p.h, p.hk)
         n_k = len(kpanels)
+        # x resident: loaded in pieces, each with its signal, so that the first matmul waits for
+        # its own K panel only, not for all of x (64 cores x T x H bytes share HBM meanwhile).
+        x_piece = _x_pieces(kpanels) if p.x_resident else []
+        for k0, kw in dict.fromkeys((a, w) for a, w, _ in x_piece):
+            load_mx(q1, mx_cols(B["xres"], k0, kw), mx_cols(self.hbm.xq, k0, kw))
+            S.signal(q1, "xres")
         step = 0
         for u, j in mine:  # queue 0: weight panels; queue 1: x panels
             w = p.slices[j][1]
             for k0, kw in kpanels:
-                b = step % _NBUF
-                if step >= _NBUF:  # the matmul that read this buffer is done
-                    q0.wait(S.sem["mm"], step - _NBUF + 1)
+                b = step % p.nbuf
+                if step >= p.nbuf:  # the matmul that read this buffer is done
+                    q0.wait(S.sem["mm"], step - p.nbuf + 1)
                     if not p.x_resident:
-                        q1.wait(S.sem["mm"], step - _NBUF + 1)
+                        q1.wait(S.sem["mm"], step - p.nbuf + 1)
                 buf = B[f"wk{b}"]
                 self._fetch(c, q0, view(buf, 0, "u8", 1, kw * w), u, p.chunk_off[j] + k0 * w, kw * w)
                 self._fetch(c, q0, view(buf, kw * w, "u8", 1, (kw // 32) * 2 * w), u,
@@ -681,19 +806,19 @@ class _Emitter:
         for n, (_u, j) in enumerate(mine):  # matrix unit
             w = p.slices[j][1]
             acc = B["acc_gu"][n % 2].sub(0, 0, p.t, 2 * w)
-            if n == 0 and p.x_resident:
-                m.wait(S.sem["xres"], 1)
             if n >= 2:  # the vector unit has read this accumulator's previous item
                 m.wait(S.sem["acc_read"], n - 1)
             for kk, (k0, kw) in enumerate(kpanels):
-                buf = B[f"wk{step % _NBUF}"]
+                buf = B[f"wk{step % p.nbuf}"]
                 wv = MXTensor(view(buf, 0, "fp4", kw, 2 * w), view(buf, kw * w, "e8m0", kw // 32, 2 * w), 0)
                 m.wait(S.sem["wld"], step + 1)
                 if p.x_resident:
+                    if n == 0 and (kk == 0 or x_piece[kk][2] != x_piece[kk - 1][2]):
+                        m.wait(S.sem["xres"], x_piece[kk][2] + 1)
                     xv = mx_cols(B["xres"], k0, kw)
                 else:
                     m.wait(S.sem["xld"], step + 1)
-                    xv = mx_cols(B[f"xk{step % _NBUF}"], 0, kw)
+                    xv = mx_cols(B[f"xk{step % p.nbuf}"], 0, kw)
                 m.matmul_mx(acc, xv, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "mm")
                 step += 1
@@ -724,7 +849,11 @@ class _Emitter:
         u, j = item
         c0, w = p.slices[j]
         q2.wait(S.sem["act"], n + 1)
-        store_mx(q2, self.hbm.acts.sub(u * p.t, c0, p.t, w), mx_cols(B[f"aq{n % 2}"], 0, w))
+        for pi, (k0, kw) in enumerate(p.act_panels):  # the slice's part of each I panel it meets
+            a, b = max(c0, k0), min(c0 + w, k0 + kw)
+            if a < b:
+                store_mx(q2, mx_cols(p.act_panel(self.hbm.acts, u, pi), a - k0, b - a),
+                         mx_cols(B[f"aq{n % 2}"], a - c0, b - a))
         S.signal(q2, "stored")
         self.g.signal(q2, "gu")
 
@@ -766,22 +895,22 @@ class _Emitter:
             for name in ("wall0", "wall1", "b2all0", "b2all1"):
                 fill_constant(v, B[name], 0.0, B["csrc"])
             fill_constant(v, B["onecol"], 1.0, B["csrc"])
-        ipanels = _panels(p.i, p.ik)
+        ipanels = p.act_panels
         step = 0
         for u, b in mine:  # queue 0: Wd panels; queue 1: activation panels
             off, hw = p.down_off[b], p.down_blocks[b][1]
-            for k0, kw in ipanels:
-                nb = step % _NBUF
-                if step >= _NBUF:
-                    q0.wait(S.sem["dmm"], step - _NBUF + 1)
-                    q1.wait(S.sem["dmm"], step - _NBUF + 1)
+            for pi, (k0, kw) in enumerate(ipanels):
+                nb = step % p.nbuf
+                if step >= p.nbuf:
+                    q0.wait(S.sem["dmm"], step - p.nbuf + 1)
+                    q1.wait(S.sem["dmm"], step - p.nbuf + 1)
                 buf = B[f"wd{nb}"]
                 codes = kw * hw // 2
                 self._fetch(c, q0, view(buf, 0, "u8", 1, codes), u, off + k0 * hw // 2, codes)
                 self._fetch(c, q0, view(buf, codes, "u8", 1, (kw // 32) * hw), u,
                             off + p.i * hw // 2 + (k0 // 32) * hw, (kw // 32) * hw)
                 S.signal(q0, "dwld")
-                load_mx(q1, mx_cols(B[f"ak{nb}"], 0, kw), self.hbm.acts.sub(u * p.t, k0, p.t, kw))
+                load_mx(q1, mx_cols(B[f"ak{nb}"], 0, kw), p.act_panel(self.hbm.acts, u, pi))
                 S.signal(q1, "dxld")
                 step += 1
         step = 0
@@ -791,12 +920,12 @@ class _Emitter:
             if n >= 2:  # the vector unit has read this accumulator's item n-2
                 m.wait(S.sem["oread"], n - 1)
             for kk, (_k0, kw) in enumerate(ipanels):
-                buf = B[f"wd{step % _NBUF}"]
+                buf = B[f"wd{step % p.nbuf}"]
                 codes = kw * hw // 2
                 wv = MXTensor(view(buf, 0, "fp4", kw, hw), view(buf, codes, "e8m0", kw // 32, hw), 0)
                 m.wait(S.sem["dwld"], step + 1)
                 m.wait(S.sem["dxld"], step + 1)
-                ak = mx_cols(B[f"ak{step % _NBUF}"], 0, kw)
+                ak = mx_cols(B[f"ak{step % p.nbuf}"], 0, kw)
                 m.matmul_mx(acc, ak, wv, mode="overwrite" if kk == 0 else "accumulate")
                 S.signal(m, "dmm")
                 step += 1
@@ -831,9 +960,14 @@ class _Emitter:
         u, b = item
         h0, hw = p.down_blocks[b]
         q2.wait(S.sem["oread"], n + 1)
-        q2.store(self.hbm.outs.sub(u * p.t, h0, p.t, hw), B[f"ot{n % 2}"].sub(0, 0, p.t, hw))
-        S.signal(q2, "ostored")
-        self.g.signal(q2, "down")
+        if not p.direct:
+            q2.store(self.hbm.outs.sub(u * p.t, h0, p.t, hw), B[f"ot{n % 2}"].sub(0, 0, p.t, hw))
+            S.signal(q2, "ostored")
+            self.g.signal(q2, "down")
+        elif self.y_out.in_hbm:  # y's block, rounded once by the read-out
+            q2.store(self.y_out.ref.hbm_view(0, h0, p.t, hw), B[f"ot{n % 2}"].sub(0, 0, p.t, hw))
+            S.signal(q2, "ostored")
+            S.signal(q2, "y_stored")
 
     def _dn_vector(self, c: int, n: int, u: int, b: int) -> None:
         """Vector unit: the down-bias operands (the weights' hi/mid/lo BF16 parts, three copies of
@@ -855,10 +989,15 @@ class _Emitter:
                 v.copy(b2all.sub(part, 0, 1, hw), view(B[f"db{par}"], 0, "bf16", 1, hw))
             S.signal(v, "bias_ready")
         v.wait(S.sem["ditem"], n + 1)
-        if n >= 2:  # ot[par] of item n-2 is stored
+        keep = p.direct and not self.y_out.in_hbm
+        if n >= 2 and not keep:  # ot[par] of item n-2 is stored
             v.wait(S.sem["ostored"], n - 1)
-        v.acc_read(B[f"ot{par}"].sub(0, 0, t, hw), B["acc_o"][par].sub(0, 0, t, hw))
+        # One term: the FP32 sum rounded to BF16 once, as the combine would round it.
+        dst = B[f"y{n}"] if keep else B[f"ot{par}"].sub(0, 0, t, hw)
+        v.acc_read(dst, B["acc_o"][par].sub(0, 0, t, hw))
         S.signal(v, "oread")
+        if keep:
+            S.signal(v, "y_ready")
 
     # --- phase 4 ------------------------------------------------------------------------------
     def combine(self, c: int) -> None:

@@ -51,6 +51,8 @@ def _run_fused(spec, shape: dict, norm_out: Out | None, moe_out: Out | None):
     x, res = np.asarray(data["x"]), (0.01 * rng.standard_normal(data["x"].shape)).astype(BF16)
     w = np.ones((1, h), BF16)
     moe_op = next(op for op in comp.ops if op.label == "m")
+    # A re-planned operator packs its weights for its own plan: the stand-alone data would not fit.
+    assert not moe_op.replanned
     bind = {"x": x, "res": res, "n/w": w, **comp.ctx.consts}
     bind |= {moe_op.hbm[name]: data[name] for name in moe_op.hbm if name in data}
     got = run_functional(prog, bind).read(result, "bf16", (t, h))
@@ -73,13 +75,29 @@ def test_gather_program_reads_x_as_another_operator_stores_it(keep_y):
 
 @pytest.mark.parametrize("placement", ["replicated", "onchip"])
 def test_panel_program_reads_onchip_pieces_and_keeps_y(placement):
-    spec = load_preset("tiny").replace(**{"sram.scratchpad_bytes": 22 * 1024})
+    # 40 KB: the panel program, and room beside the norm's rows for its stand-alone plan (at 22 KB
+    # it was re-planned, and the stand-alone packed weights then matched its layout only by luck)
+    spec = load_preset("tiny").replace(**{"sram.scratchpad_bytes": 40 * 1024})
     shape = get_kernel("moe").shape(dict(tokens=8, hidden=128, intermediate=64, experts=16, top_k=4,
                                          router="sigmoid_topk", activation="silu", score_bias=True, n_group=4,
                                          topk_group=2, routed_scaling_factor=2.5, shared_experts=1))
     assert isinstance(plan_moe(shape, spec), PanelPlan)
     place = Out.replicated(range(spec.core.count)) if placement == "replicated" else Out.onchip()
     got, want, _ = _run_fused(spec, shape, place, Out.onchip())
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("keep_y", [False, True])
+def test_dense_panel_program_writes_y_from_its_down_items(keep_y):
+    """A dense FFN (one shared expert, no routing) in panel form: each down item rounds its block
+    of y to BF16 and keeps it, or stores it, with no combine phase and no FP32 scratch."""
+    spec = load_preset("tiny").replace(**{"sram.scratchpad_bytes": 20 * 1024})
+    shape = get_kernel("moe").shape(dict(tokens=8, hidden=128, intermediate=64, experts=0, top_k=1,
+                                         shared_experts=1, activation="silu"))
+    p = plan_moe(shape, spec)
+    assert isinstance(p, PanelPlan) and p.direct and len(p.down_blocks) > 1
+    assert "outs" not in {t.name for t in moe_tensors(shape, spec)}
+    got, want, _ = _run_fused(spec, shape, Out.onchip(), Out.onchip() if keep_y else None)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 

@@ -9,7 +9,7 @@ without waiting, which a race checker would rightly flag.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
@@ -71,9 +71,15 @@ def hbm_stream_program(spec: ChipSpec, total_bytes: int, *, chunk_bytes: int | N
     bufs = {(c, q): kb.sram(c, f"buf{q}", (1, chunk_bytes), "u8") for c in cores for q in range(queues)}
     handles = {c: kb.core(c) for c in cores}
     lanes = [(c, q) for q in range(queues) for c in cores]  # consecutive chunks on different cores
-    for j in range(n_chunks):
+
+    def load(j: int) -> None:
         c, q = lanes[j % len(lanes)]
         handles[c].dma[q].load(bufs[c, q], src.sub(j, 0, 1, chunk_bytes))
+
+    rounds = n_chunks // len(lanes)  # one hardware loop per queue over the whole rounds
+    kb.repeat(rounds, lambda r: [load(r * len(lanes) + k) for k in range(len(lanes))])
+    for j in range(rounds * len(lanes), n_chunks):
+        load(j)
     return kb.build()
 
 
@@ -208,7 +214,9 @@ def streamed_matmul_program(spec: ChipSpec, m: int, k: int, n: int, *, chunk_k: 
         qx.load(xs.scales, x.scales)
         qx.signal(x_ready)
         core.mxu.wait(x_ready, 1)
-        for i in range(k // chunk_k):
+
+        def chunk(i: int, c: int = c, core=core, bufs=bufs, loaded=loaded, freed=freed, xs=xs,
+                  acc=acc) -> None:
             b, use = i % nbuf, i // nbuf
             q = core.dma[b % queues]
             if use:
@@ -221,6 +229,8 @@ def streamed_matmul_program(spec: ChipSpec, m: int, k: int, n: int, *, chunk_k: 
             core.mxu.matmul_mx(acc, xs.sub(0, i * chunk_k, m, chunk_k), bufs[b],
                                mode="overwrite" if i == 0 else "accumulate")
             core.mxu.signal(freed[b])
+
+        _rounds(kb, k // chunk_k, nbuf, chunk)
         core.mxu.signal(done)
         core.vpu.wait(done, 1)
         core.vpu.acc_read(ys, acc)
@@ -261,7 +271,9 @@ def pipeline_program(spec: ChipSpec, iterations: int, *, cores: Sequence[int] | 
         loaded = [kb.semaphore(f"c{c}.loaded{b}") for b in range(nbuf)]
         freed = [kb.semaphore(f"c{c}.freed{b}") for b in range(nbuf)]
         ready, drained = kb.semaphore(f"c{c}.ready"), kb.semaphore(f"c{c}.drained")
-        for i in range(iterations):
+
+        def stage(i: int, ci: int = ci, core=core, x=x, bufs=bufs, acc=acc, out=out, loaded=loaded,
+                  freed=freed, ready=ready, drained=drained) -> None:
             b, use = i % nbuf, i // nbuf
             q = core.dma[b % queues]
             if use:
@@ -278,4 +290,19 @@ def pipeline_program(spec: ChipSpec, iterations: int, *, cores: Sequence[int] | 
             core.vpu.acc_read(out, acc)
             core.vpu.exp(out, out)
             core.vpu.signal(drained)
+
+        _rounds(kb, iterations, nbuf, stage)
     return kb.build()
+
+
+def _rounds(kb: KernelBuilder, n: int, nbuf: int, step: Callable[[int], None]) -> None:
+    """``step(i)`` for i in range(n): the first round of ``nbuf`` steps as they are (fresh buffers
+    wait for nothing), the whole rounds after it as hardware loops (``KernelBuilder.repeat``: one
+    round is the same up to affine offsets and counts), the rest as they are."""
+    first = min(n, nbuf)
+    for i in range(first):
+        step(i)
+    rounds = (n - first) // nbuf
+    kb.repeat(rounds, lambda r: [step(first + r * nbuf + b) for b in range(nbuf)])
+    for i in range(first + rounds * nbuf, n):
+        step(i)

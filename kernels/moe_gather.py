@@ -107,6 +107,7 @@ __all__ = ["GatherItem", "GatherPlan", "emit_gather", "gather_reference", "gathe
 
 _BLOCK = 128  # tokens per routing / list / combine block (the matrix unit's row tile)
 _ROUTER_PANEL = 512  # router K panel rows at most (x and Wr panels double-buffered)
+_DOWN_BUFFERS = (6, 4, 3, 2)  # down weight buffers the planner tries, most first (the first that fits)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ class GatherPlan(MoeLayout):
         hb: down-projection H block; hc: combine H block.
         n_partials: shared partial-output tables (shared experts x intermediate ranges).
         nbuf: gate|up weight buffers per core.
+        nwd: down-projection weight buffers per core: each H block's load waits for the matmul
+            ``nwd`` blocks back, so ``nwd - 1`` loads (a DMA set-up and the HBM latency each) are
+            in flight ahead of the matrix unit. nwd also counts the FP32 output row buffers, whose
+            stores to the output tables are as many in flight behind the vector unit.
         quant_rows: x rows each core quantises; quant_step: rows per quantisation step.
         rk: router K panel rows.
         ng: combine buffers (terms in flight per combine item).
@@ -165,6 +170,7 @@ class GatherPlan(MoeLayout):
     quant_step: int
     rk: int
     ng: int
+    nwd: int = 2
 
     @property
     def nb(self) -> int:
@@ -309,6 +315,17 @@ def plan_gather(shape: dict[str, Any], spec: ChipSpec, budget: Budget) -> Gather
                 break
         if best is not None:
             p = best[2]
+            r_max, i_max = _r_i_max(p)
+            # A dense FFN: as many down buffers as the scratchpad holds (DeepSeek-R1's at 256
+            # tokens on jalapeno-v1: 207.8 us with 2, 175.2 with 3, 133.4 with 6). Routed experts
+            # keep 2: their down loads share queue 0 with the next items' gate|up segments, and
+            # more of them in flight was mixed at 256 tokens (gpt-oss-120b 175.8 -> 172.4 with 3,
+            # 184.2 with 6; DeepSeek-R1 549.4 -> 585.0 with 4; Kimi K2.5 816.7 -> 773.9 with 4).
+            for nwd in _DOWN_BUFFERS if not e else ():
+                q = GatherPlan(**{**p.__dict__, "nwd": nwd})
+                if _sram_bytes(q, shape, r_max, i_max) <= sram_cap:
+                    p = q
+                    break
             return GatherPlan(**{**p.__dict__, "item_core": tuple(_assign(p, spec, act_fmt))})
     raise DoesNotFit(
         f"shape key hidden={h} (tokens={t}, grouping=gather): no split of the expert work fits the "
@@ -435,8 +452,9 @@ def _expert_specs(p: GatherPlan, shape: dict[str, Any], r_max: int, i_max: int) 
     out: list[Spec] = []
     for par in range(2):
         out += mx_specs(f"X{par}", fmt, r_max, h) + mx_specs(f"A{par}", fmt, r_max, i_max)
-        out += [(f"lid{par}", "i32", (1, r_max)), (f"lw{par}", "f32", (1, r_max)),
-                (f"wd{par}", "u8", (1, wd_bytes)), (f"ot{par}", "f32", (r_max, p.hb))]
+        out += [(f"lid{par}", "i32", (1, r_max)), (f"lw{par}", "f32", (1, r_max))]
+    out += [(f"wd{b}", "u8", (1, wd_bytes)) for b in range(p.nwd)]
+    out += [(f"ot{b}", "f32", (r_max, p.hb)) for b in range(p.nwd)]
     out += [(f"wgu{b}", "u8", (1, gu_max)) for b in range(p.nbuf)]
     out += [("gu", "f32", (r_max, 2 * smax)), ("tmp", "f32", (r_max, smax))]
     if shape["activation"] == "swiglu_oai":
@@ -895,9 +913,9 @@ class _Emitter:
         i_rows = sum(p.slices[j][1] for j in it.slices)
         for (_, hw), off in zip(p.down_blocks, p.down_off, strict=True):
             mi = ctr["mi"]
-            if mi >= 2:  # its previous down matmul is done
-                q0.wait(S.sem["down_done"], mi - 1)
-            wd = self._wd_view(B[f"wd{mi % 2}"], i_rows, hw)
+            if mi >= p.nwd:  # the down matmul that read this buffer is done
+                q0.wait(S.sem["down_done"], mi - p.nwd + 1)
+            wd = self._wd_view(B[f"wd{mi % p.nwd}"], i_rows, hw)
             q0.load(wd.codes, Tile(Space.HBM, 0, base + off + i0 * hw // 2, "fp4", i_rows, hw))
             q0.load(wd.scales, Tile(Space.HBM, 0, base + off + p.i * hw // 2 + (i0 // 32) * hw, "e8m0",
                                     i_rows // 32, hw))
@@ -930,7 +948,7 @@ class _Emitter:
             if mi >= 2:  # the vector unit has read this accumulator's previous block
                 m.wait(S.sem["ot_read"], mi - 1)
             acc = B["acc_o"][mi % 2].sub(0, 0, rows, hw)
-            m.matmul_mx(acc, a, self._wd_view(B[f"wd{mi % 2}"], i_rows, hw), mode="overwrite")
+            m.matmul_mx(acc, a, self._wd_view(B[f"wd{mi % p.nwd}"], i_rows, hw), mode="overwrite")
             if it.bias:
                 ctr["bias_blocks"] += 1
                 m.wait(S.sem["b2all_ready"], ctr["bias_blocks"])
@@ -990,9 +1008,9 @@ class _Emitter:
                     v.copy(b2all.sub(part, 0, 1, hw), B["b2"].sub(0, h0, 1, hw))
                 S.signal(v, "b2all_ready")
             v.wait(S.sem["down_done"], mi + 1)
-            if mi >= 2:  # the rows of block mi-2 are stored
-                v.wait(S.sem["ot_stored"], mi - 1)
-            v.acc_read(B[f"ot{mi % 2}"].sub(0, 0, rows, hw), B["acc_o"][mi % 2].sub(0, 0, rows, hw))
+            if mi >= p.nwd:  # the rows that used this buffer last are stored
+                v.wait(S.sem["ot_stored"], mi - p.nwd + 1)
+            v.acc_read(B[f"ot{mi % p.nwd}"].sub(0, 0, rows, hw), B["acc_o"][mi % 2].sub(0, 0, rows, hw))
             S.signal(v, "ot_read")
             ctr["mi"] += 1
         if it.bias:
@@ -1006,7 +1024,7 @@ class _Emitter:
         mi0 = ctr["mi"] - len(hblocks)
         for hi, (h0, hw) in enumerate(hblocks):
             mi = mi0 + hi
-            ot = B[f"ot{mi % 2}"]
+            ot = B[f"ot{mi % p.nwd}"]
             q2.wait(S.sem["ot_read"], mi + 1)
             if it.shared:
                 dst = self.hbm.o_sh.sub(it.out * p.t + it.row0, h0, it.rows, hw)

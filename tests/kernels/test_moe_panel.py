@@ -156,3 +156,23 @@ def test_a_program_needing_tensors_an_operator_lacks_is_passed_over():
     assert isinstance(plan_moe(shape, spec, given=slot_names), MoePlan)
     with pytest.raises(DoesNotFit, match=r"needs HBM tensors .* this operator was not given"):
         plan_moe(shape, spec, given={"x", "y"})
+
+
+def test_panel_loops_compute_and_time_as_unrolled():
+    """Whole rounds of K and I panels go out as hardware loops: bit-exact, and timed exactly as
+    the same program unrolled (the engines' streams are the same instructions)."""
+    from jalapeno_emu.emu import run_timing
+    from jalapeno_emu.isa import unrolled_loops
+
+    spec = _tiny(16 * 1024)
+    keys = dict(tokens=4, hidden=1024, intermediate=64, experts=4, top_k=2, expert_bias=True)
+    shape = get_kernel("moe").shape(keys)
+    assert isinstance(plan_moe(shape, spec), PanelPlan)
+    looped = get_kernel("moe").build(shape, spec).program
+    with unrolled_loops():
+        unrolled = get_kernel("moe").build(shape, spec).program
+    assert looped.loops and not unrolled.loops
+    assert len(looped.items) < unrolled.n_instructions == looped.n_instructions
+    assert run_timing(looped, spec).time_s == run_timing(unrolled, spec).time_s
+    report = run_kernel("moe", keys, preset=spec, check=True)
+    assert report.check["passed"] and report.check["max_abs_error"] == 0.0

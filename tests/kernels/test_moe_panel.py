@@ -176,3 +176,16 @@ def test_panel_loops_compute_and_time_as_unrolled():
     assert run_timing(looped, spec).time_s == run_timing(unrolled, spec).time_s
     report = run_kernel("moe", keys, preset=spec, check=True)
     assert report.check["passed"] and report.check["max_abs_error"] == 0.0
+
+
+def test_dense_ffn_gather_keeps_more_down_buffers_bit_exact():
+    """A dense FFN's gather program keeps more than two down-weight and output-row buffers in
+    flight (routed experts keep two); the rotation over them stays bit-exact."""
+    spec = load_preset("tiny")
+    keys = dict(tokens=160, grouping="gather", experts=0, top_k=1, shared_experts=1, activation="silu")
+    p = plan_moe(get_kernel("moe").shape(keys), spec)
+    assert isinstance(p, GatherPlan) and p.nwd > 2
+    routed = plan_moe(get_kernel("moe").shape(dict(keys, experts=8, top_k=2)), spec)
+    assert isinstance(routed, GatherPlan) and routed.nwd == 2
+    report = run_kernel("moe", keys, preset=spec, check=True)
+    assert report.check["passed"] and report.check["max_abs_error"] == 0.0

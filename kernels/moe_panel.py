@@ -311,7 +311,7 @@ def _phase_s(steps: int, step_bytes: int, mm_s: float, nbuf: int, per_core: floa
     return steps * step + fixed + port
 
 
-def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str = "fp8e4") -> float:
+def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str) -> float:
     """Seconds: phases 2 and 3 as the busiest core's panels (``_phase_s``: matrix-unit steps of
     ``act_fmt`` x MXFP4, bytes at the core's share of HBM, loads in flight per ``nbuf``), or every
     byte over HBM, whichever is longer; plus the scratch traffic and a penalty on programs past
@@ -319,8 +319,7 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str = "fp8e4") -> float:
     bw = spec.derived()["hbm_achievable_bytes_per_s"]
     per_core = core_hbm_bytes_per_s(spec, p.cores)
     mx = spec.matrix
-    step_s = (mxu_cycles_per_step(spec, "bf16" if act_fmt == "bf16" else act_fmt, "fp4")
-              + mx.issue_overhead_cycles) / spec.core.clock_hz
+    step_s = (mxu_cycles_per_step(spec, act_fmt, "fp4") + mx.issue_overhead_cycles) / spec.core.clock_hz
     row_tiles = -(-p.t // mx.tile_m)
     x_panel = 0 if p.x_resident else p.t * p.hk * 33 // 32
     kpanels, ipanels = _panels(p.h, p.hk), _panels(p.i, p.ik)

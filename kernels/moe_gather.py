@@ -236,12 +236,31 @@ def _item_cost(it: GatherItem, h: int, slices, down_blocks, spec: ChipSpec, act_
     return max(item_bytes / core_hbm_bytes_per_s(spec, cores), mxu_s)
 
 
+def _item_costs(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> list[float]:
+    """``_item_cost`` of each of ``p.items``, each kind priced once: items repeat (every expert's
+    token blocks have the same rows and slices), and a sweep plans thousands of candidates."""
+    kinds: dict[tuple[int, int], float] = {}  # (rows, id of the slice tuple): items share them
+    out = []
+    for it in p.items:
+        cost = kinds.get((it.rows, id(it.slices)))
+        if cost is None:
+            cost = kinds[it.rows, id(it.slices)] = _item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt,
+                                                          p.cores)
+        out.append(cost)
+    return out
+
+
 def _estimate(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> float:
     """Estimated seconds: the busiest core's items or HBM overall, whichever is longer, then the
     combine; penalised beyond ~150k instructions (build and check time)."""
-    costs = [_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt, p.cores) for it in p.items]
-    core_s = _lpt(costs, p.cores)[1]
-    weights = sum(51 * p.h * sum(p.slices[j][1] for j in it.slices) // 32 for it in p.items)
+    core_s = _lpt(_item_costs(p, spec, act_fmt), p.cores)[1]
+    widths: dict[int, int] = {}  # by id of the slice tuple, as _item_costs
+    weights = 0
+    for it in p.items:
+        w = widths.get(id(it.slices))
+        if w is None:
+            w = widths[id(it.slices)] = sum(p.slices[j][1] for j in it.slices)
+        weights += 51 * p.h * w // 32
     out_rows = p.nb * p.o_rows if p.e else 0
     combine_bytes = 4 * p.h * (p.t * p.k * (1 if p.e else 0) + p.n_partials * p.t) + 2 * p.t * p.h
     hbm_bytes = weights + 4 * p.h * (out_rows + p.n_partials * p.t) + combine_bytes
@@ -292,13 +311,17 @@ def plan_gather(shape: dict[str, Any], spec: ChipSpec, budget: Budget) -> Gather
         rd = routing_dims(tb, e, k, shape) if e else None
         cap = _capacity(tb, e, k, shape["capacity_factor"]) if e else 0
         best: tuple[float, int, GatherPlan] | None = None
+        made: dict[tuple[int, int, int, int], list[GatherItem]] = {}
         n = 0
         for w, hb, shared_rows, i_range, fallbacks in _candidates(shape):
             slices = slices_of(i, w)
             ranges = _ranges(len(slices), w, i_range)
             for nbuf, max_rows in fallbacks:  # the first that fits is the best of these
                 n += 1
-                items = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges, max_rows)
+                key = (w, shared_rows, i_range, max_rows)  # the items do not depend on hb
+                items = made.get(key)
+                if items is None:
+                    items = made[key] = _items(t, e, s, nb, cap, slices, bias, shared_rows, ranges, max_rows)
                 p = _make_plan(shape, budget, tb, cap, slices, bias, r_parts, ew, rd, items, hb,
                                (k if e else 0) + s * len(ranges), s * len(ranges), nbuf)
                 if p is None:
@@ -409,8 +432,7 @@ def _lpt(costs: list[float], cores: int) -> tuple[list[int], float]:
 
 def _assign(p: GatherPlan, spec: ChipSpec, act_fmt: str) -> list[int]:
     """The items' cores (``_lpt`` of their estimated times)."""
-    return _lpt([_item_cost(it, p.h, p.slices, p.down_blocks, spec, act_fmt, p.cores) for it in p.items],
-                p.cores)[0]
+    return _lpt(_item_costs(p, spec, act_fmt), p.cores)[0]
 
 
 # --- per-core buffers -------------------------------------------------------------------------
@@ -500,8 +522,10 @@ def _acc_bytes(p: GatherPlan, r_max: int) -> int:
 
 
 def _r_i_max(p: GatherPlan) -> tuple[int, int]:
+    """The most rows and the widest I range of any item (items share their slice tuples)."""
+    widths = {id(it.slices): it.slices for it in p.items}
     return (max(it.rows for it in p.items),
-            max(sum(p.slices[j][1] for j in it.slices) for it in p.items))
+            max(sum(p.slices[j][1] for j in sl) for sl in widths.values()))
 
 
 def _alloc(kb: Any, c: int, p: GatherPlan, shape: dict[str, Any], keep_y: bool) -> dict[str, Any]:

@@ -488,7 +488,13 @@ class ChipSpec:
             ``hbm_pseudo_channels``, ``sram_total_bytes``, ``link_bytes_per_s_per_direction``
             (all ports) and a few more, by name.
         """
-        return {name: q.compute(self) for name, q in DERIVED_QUANTITIES.items()}
+        # Planners ask for these millions of times in a sweep (a core's HBM share per candidate
+        # item); the spec is frozen, so compute them once and hand out copies.
+        cached = self.__dict__.get("_derived")
+        if cached is None:
+            cached = {name: q.compute(self) for name, q in DERIVED_QUANTITIES.items()}
+            object.__setattr__(self, "_derived", cached)
+        return dict(cached)
 
     def replace(self, **overrides: Any) -> ChipSpec:
         """A new, re-validated spec with some fields changed; their provenance becomes ``OVERRIDE``.

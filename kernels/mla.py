@@ -60,6 +60,7 @@ __all__ = ["BLOCK_TOKENS", "COMMON_SHAPE_KEYS", "SLACK_BYTES", "TOLERANCE", "Fla
 
 SLACK_BYTES = 8192  # bytes kept free for allocation alignment (64 B per allocation)
 BLOCK_TOKENS = 32  # tokens per matrix-unit contraction block: cache capacities and key tiles come in these
+LOOP_MIN_ROUNDS = 4  # rounds of steady flash tiles below which they are issued unrolled
 _PAD_GARBAGE = 1e4  # magnitude of the test inputs' padding rows: large, finite, random signs
 _BF16 = ml_dtypes.bfloat16
 
@@ -256,6 +257,9 @@ class FlashTile:
     (decode's context rounded up to 32): their scores are set to MASK_VALUE. scores(acc)/pv(acc,
     p): issue the two matmuls (after whatever waits they need) on the matrix unit.
     finish(o_f32, l): issue the normalisation on the vector unit (after ``last``).
+    loop: a key the caller gives tiles whose callbacks issue the same instructions up to operands
+    that move by a constant step from one tile to the next (None: no such promise). ``Flash.run``
+    issues runs of such tiles as hardware loops.
     """
 
     rows: int
@@ -268,6 +272,7 @@ class FlashTile:
     finish: Any
     mask: Tile | None = None
     pad_cols: int = 0
+    loop: Any = None
 
 
 class Flash:
@@ -301,25 +306,56 @@ class Flash:
         self.pv_free = kb.semaphore(f"c{c}.pv_free")
         self.g = 0  # tiles issued so far on this core
 
-    def run(self, tiles: list[FlashTile]) -> None:
-        """Issue ``tiles`` in order; the matrix unit runs scores(j+1) before pv(j)."""
+    def run(self, tiles: list[FlashTile], period: int = 2) -> None:
+        """Issue ``tiles`` in order; the matrix unit runs scores(j+1) before pv(j).
+
+        Runs of steady tiles (``_steady``) go out in whole rounds of ``period`` tiles as one
+        hardware loop per engine once there are ``LOOP_MIN_ROUNDS`` rounds: ``period`` is a
+        multiple of 2 (this loop's own buffers alternate) and of whatever the callers' callbacks
+        rotate (their KV buffers)."""
         base = self.g
+        n = len(tiles)
+        j = 0
+        while j <= n:
+            run = 0
+            while j + run < n and self._steady(tiles, j + run, j):
+                run += 1
+            rounds = run // period
+            if rounds >= LOOP_MIN_ROUNDS:
+                self.kb.repeat(rounds, lambda i, j0=j: [self._step(base, tiles, j0 + i * period + u)
+                                                        for u in range(period)])
+                j += rounds * period
+                continue
+            self._step(base, tiles, j)
+            j += 1
+        self.g = base + n
+
+    @staticmethod
+    def _steady(tiles: list[FlashTile], j: int, j0: int) -> bool:
+        """Step j (scores and softmax of tile j, PV and update of tile j-1) issues what step j0
+        does up to affine operands: both tiles carry j0's loop key, neither is a first or last
+        tile, and tile j is unmasked, unpadded and shaped like tile j0."""
+        t, prev, t0 = tiles[j], tiles[j - 1] if j else None, tiles[j0]
+        return (prev is not None and t.loop is not None and t.loop == prev.loop == t0.loop
+                and not (t.first or t.last or prev.first or prev.last) and t.mask is None
+                and not t.pad_cols and (t.rows, t.cols, t.state) == (t0.rows, t0.cols, t0.state)
+                == (prev.rows, prev.cols, prev.state))
+
+    def _step(self, base: int, tiles: list[FlashTile], j: int) -> None:
         mxu, vpu = self.core.mxu, self.core.vpu
-        for j in range(len(tiles) + 1):
-            if j < len(tiles):  # matrix unit: scores of tile j, then PV of tile j-1
-                self._scores(base + j, tiles[j], mxu)
-            if j >= 1:
-                self._pv(base + j - 1, tiles[j - 1], mxu)
-            # vector unit: softmax of tile j, then the output update of j-1; with one state a
-            # new query block's softmax must wait until the previous block is finished
-            update_first = self.states == 1 and 1 <= j < len(tiles) and tiles[j].first
-            if update_first:
-                self._update(base + j - 1, tiles[j - 1], vpu)
-            if j < len(tiles):
-                self._softmax(base + j, tiles[j], vpu)
-            if j >= 1 and not update_first:
-                self._update(base + j - 1, tiles[j - 1], vpu)
-        self.g = base + len(tiles)
+        if j < len(tiles):  # matrix unit: scores of tile j, then PV of tile j-1
+            self._scores(base + j, tiles[j], mxu)
+        if j >= 1:
+            self._pv(base + j - 1, tiles[j - 1], mxu)
+        # vector unit: softmax of tile j, then the output update of j-1; with one state a
+        # new query block's softmax must wait until the previous block is finished
+        update_first = self.states == 1 and 1 <= j < len(tiles) and tiles[j].first
+        if update_first:
+            self._update(base + j - 1, tiles[j - 1], vpu)
+        if j < len(tiles):
+            self._softmax(base + j, tiles[j], vpu)
+        if j >= 1 and not update_first:
+            self._update(base + j - 1, tiles[j - 1], vpu)
 
     def _scores(self, g: int, t: FlashTile, mxu) -> None:
         if g >= 2:  # the vector unit has read acc_s[g % 2] of tile g-2

@@ -31,6 +31,7 @@ does; the prefetch part loads the mask and each core's first item's weights and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,8 +343,9 @@ def _emit_prefill_v1(ctx: EmitCtx, p: _Pre, plan: _PrefillPlan, q: TensorRef, kv
                             core.vpu.mul(os_.sub(t0, 0, nq, V), o, linv)
                         core.vpu.signal(sem["out_ready"])
 
+                    # A query tile's key tiles read K_h and V_h a key tile further each.
                     tiles.append(FlashTile(nq, nk, i % 2, j == 0, diag, scores, pv, finish,
-                                            mask.sub(0, 0, nq, nk) if diag else None))
+                                            mask.sub(0, 0, nq, nk) if diag else None, loop=(it, i)))
             fl.run(tiles)
             core.mxu.signal(sem["item_mxu_done"])
             if out.in_hbm:
@@ -553,9 +555,10 @@ def _prefill_small_attention(kb: KernelBuilder, c: int, items: list[tuple[int, i
                 core.dma[2].store(out.ref.hbm_view(b * S + t0, h * V, nq, V), os_.sub(0, 0, nq, V))
                 core.dma[2].signal(sem["o_stored"])
 
+            # An item's key tiles rotate over the nbuf KV buffers, a semaphore count further each.
             tiles.append(FlashTile(nq, nk, 0, j == 0, diag, scores, pv, finish,
-                                    mask.sub(0, 0, nq, nk) if diag else None))
-    fl.run(tiles)
+                                    mask.sub(0, 0, nq, nk) if diag else None, loop=it))
+    fl.run(tiles, period=math.lcm(2, nbuf))
 
 
 # --- prefill: the emitter, the stand-alone program, the kernel's tensors ------------------------

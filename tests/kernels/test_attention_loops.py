@@ -1,6 +1,7 @@
-"""The flash-attention engine issues the steady KV tiles of a unit (whole rounds of its slots) as
-hardware loops: the same instructions per engine as the unrolled program, the same timing to the
-instruction, the same output bits, and a program that passes the checker."""
+"""The flash-attention engine (and MLA's flash loop) issue the steady KV tiles of a unit (whole
+rounds of its buffers) as hardware loops: the same instructions per engine as the unrolled
+program, the same timing to the instruction, the same output bits, and a program that passes
+the checker."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def _streams(program) -> dict:
                                 "sinks": True}),
     # decode over 2048 cached tokens in 32-token tiles on a small scratchpad
     ("attention-decode", 64, {"context": 2048, "q_heads": 2, "kv_heads": 1, "head_dim": 64}),
+    # MLA's flash loop: on-core prefill (the whole K_h, V_h in SRAM), and the small-scratchpad
+    # path (KV tiles streamed through rotating buffers)
+    ("mla-prefill", None, {"seq": 64, "prior": 512, "q_heads": 2, "kv_tile": 32}),
+    ("mla-prefill", 64, {"seq": 32, "prior": 1024, "q_heads": 2}),
 ])
 def test_kv_loops_run_time_and_check_as_unrolled(kernel, preset_kib, keys):
     spec = load_preset("tiny")

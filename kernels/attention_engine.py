@@ -225,6 +225,7 @@ class _Core:
         names += ("kvnew",) if self.taken else ()
         self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
         self._load_waited: set[tuple] = set()  # (stream, queue, condition) already waited for
+        self._no_loop_before: dict[str, int] = {}  # per engine pass: see _looped
         self.first, self.last = {}, {}
         for j, (u, _) in enumerate(self.flat):
             self.first.setdefault(u, j)
@@ -250,20 +251,24 @@ class _Core:
                 and st.new is None and st.idx is None and j not in self.taken
                 and j + 1 not in self.taken)
 
-    def _looped(self, j: int, stop: int, emit: Callable[[int], object],
+    def _looped(self, tag: str, j: int, stop: int, emit: Callable[[int], object],
                 plain: Callable[[int], bool] | None = None, loads: bool = False) -> int:
         """Issue steps j.. (before ``stop``) as one hardware loop per engine (``KernelBuilder.repeat``
         over whole rounds of ``period`` steps, ``emit(step)`` issuing one step) when at least
         ``_LOOP_MIN_ROUNDS`` rounds qualify: every step steady (``_steady``, and ``plain``) and,
         with ``loads``, each round's HBM sources a constant step after the previous round's.
-        Returns the steps issued (0: none, the caller issues step j as usual)."""
+        Returns the steps issued (0: none, the caller issues step j as usual). ``tag`` names the
+        engine pass: a stretch found too short is not scanned again from each of its steps."""
         period = self.period
+        if j < self._no_loop_before.get(tag, -1):
+            return 0  # inside a steady stretch already found too short: no loop starts in it
         n = 0
         while (j + n < stop and self._steady(j + n, j) and (plain is None or plain(j + n))
                and (not loads or n < period or self._affine_sources(j + n, j, period))):
             n += 1
         rounds = n // period
         if rounds < _LOOP_MIN_ROUNDS:
+            self._no_loop_before[tag] = j + n
             return 0
         self.kb.repeat(rounds, lambda i: [emit(j + i * period + u) for u in range(period)])
         return rounds * period
@@ -306,7 +311,7 @@ class _Core:
         stop = len(self.flat) if stop is None else stop
         j = start
         while j < stop:
-            looped = self._looped(j, stop, lambda jj: self._emit_load(jj, kqs, vqs, k_gate, v_gate),
+            looped = self._looped("loads", j, stop, lambda jj: self._emit_load(jj, kqs, vqs, k_gate, v_gate),
                                   lambda jj: self._load_plain(jj, k_gate, v_gate), loads=True)
             if not looped:
                 self._emit_load(j, kqs, vqs, k_gate, v_gate)
@@ -512,7 +517,7 @@ class _Core:
         n = len(self.flat)
         j = 0
         while j < n:
-            looped = self._looped(j, n, lambda jj: (self._s(jj), self._pv(jj - 1)))
+            looped = self._looped("mxu", j, n, lambda jj: (self._s(jj), self._pv(jj - 1)))
             if looped:
                 j += looped
                 continue
@@ -683,7 +688,7 @@ class _Core:
         n = len(self.flat)
         j = 0
         while j < n:
-            looped = self._looped(j, n, lambda jj: (self._softmax(jj, sinks), self._update(jj - 1)))
+            looped = self._looped("vpu", j, n, lambda jj: (self._softmax(jj, sinks), self._update(jj - 1)))
             if looped:
                 j += looped
                 continue

@@ -63,6 +63,7 @@ the stream (absorption, the two all-to-all copy rounds, up-projection) add a fix
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -506,8 +507,9 @@ def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: 
                 core.vpu.signal(olat_ready)
 
             pad = span - C if last and t0 + n == span else 0
-            tiles.append(FlashTile(H, n, bl % 2, first, last, scores, pv, finish, pad_cols=pad))
-        fl.run(tiles)
+            # A sequence's tiles rotate over the nbuf KV buffers, a semaphore count further each.
+            tiles.append(FlashTile(H, n, bl % 2, first, last, scores, pv, finish, pad_cols=pad, loop=bl))
+        fl.run(tiles, period=math.lcm(2, nbuf))
         used_q = set()
         for bl, (b, lo, _) in enumerate(us):
             for i, c in enumerate(head_cores):
@@ -815,8 +817,8 @@ def _decode_small_attention(kb: KernelBuilder, c: int, items: list[tuple[int, in
                 core.dma[2].signal(sem["o_stored"])
 
             tiles.append(FlashTile(nh, n, 0, j == 0, last, scores, pv, finish,
-                                    pad_cols=span - C if last else 0))
-    fl.run(tiles)
+                                    pad_cols=span - C if last else 0, loop=it))
+    fl.run(tiles, period=math.lcm(2, nbuf))
     core.dma[2].signal(done)
 
 

@@ -37,6 +37,8 @@ def _streams(program) -> dict:
     # path (KV tiles streamed through rotating buffers)
     ("mla-prefill", None, {"seq": 64, "prior": 512, "q_heads": 2, "kv_tile": 32}),
     ("mla-prefill", 64, {"seq": 32, "prior": 1024, "q_heads": 2}),
+    ("mla-decode", None, {"context": 1024, "kv_tile": 32}),
+    ("mla-decode", 64, {"context": 2048}),
 ])
 def test_kv_loops_run_time_and_check_as_unrolled(kernel, preset_kib, keys):
     spec = load_preset("tiny")

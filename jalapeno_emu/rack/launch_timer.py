@@ -147,14 +147,14 @@ class LaunchTimer:
         self.build_wall_s = 0.0
         """Wall seconds spent building and timing them."""
         self._file: Path | None = None
-        self._disk: dict[str, LaunchTime] = {}
+        self._disk: dict[str, LaunchTime | _Refusal] = {}
         self._disk_read_bytes = 0  # how much of the file _disk holds (whole lines)
         if disk_cache:
             directory = cache_root() if disk_cache is True else Path(disk_cache)
             self._file = directory / f"timings-{spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
             self._disk_read_bytes = _read_cache(self._file, self._disk)
 
-    def _from_disk(self, key: str) -> LaunchTime | None:
+    def _from_disk(self, key: str) -> LaunchTime | _Refusal | None:
         """The figures of ``key`` in the disk cache, reading first what other processes appended
         since the last read: a sweep's workers then build a program once between them, not once
         each (a miss costs one ``stat``)."""
@@ -190,7 +190,7 @@ class LaunchTimer:
         hit = self._times.get(key)
         if hit is None:
             hit = self._from_disk(_key(launch))
-            if hit is None:
+            if not isinstance(hit, LaunchTime):  # a launch's refusal is never stored: re-measure
                 hit = self._measure(launch, split)
             self._times[key] = hit
         return hit
@@ -215,6 +215,9 @@ class LaunchTimer:
                                    [[la.label, la.kernel, [list(kv) for kv in la.shape]] for la in launches]],
                                   separators=(",", ":"))
             hit = self._from_disk(disk_key)
+            if isinstance(hit, _Refusal):  # refused by an earlier run of this code on this spec
+                refused = self._refused_parts[key] = hit.error()
+                raise refused
             if hit is None:
                 from jalapeno_emu.model.fused import build_part
 
@@ -227,6 +230,7 @@ class LaunchTimer:
                         del fb  # see _build_and_time
                 except InvalidArgumentError as exc:
                     self._refused_parts[key] = exc
+                    self._write_refusal(disk_key, exc)
                     raise
                 self.builds += 1
                 self.build_wall_s += time.perf_counter() - t0
@@ -244,6 +248,7 @@ class LaunchTimer:
                             f"{hit.time_s * 1e6:,.1f} us with {', '.join(replanned)} re-planned, its "
                             f"launches {launched * 1e6:,.1f} us")
                         self._refused_parts[key] = exc
+                        self._write_refusal(disk_key, exc)
                         raise exc
                 self._write_line(disk_key, hit)
             self._parts[key] = hit
@@ -325,7 +330,12 @@ class LaunchTimer:
     def _remember(self, launch: Launch, t: LaunchTime) -> None:
         self._write_line(_key(launch), t)
 
-    def _write_line(self, key: str, t: LaunchTime) -> None:
+    def _write_refusal(self, key: str, exc: InvalidArgumentError) -> None:
+        """Store a part's refusal: a warm run then skips the build that found it (DeepSeek-R1's
+        sweep re-built 16 refused parts, 40 s of its warm run)."""
+        self._write_line(key, _Refusal(type(exc).__name__, str(exc)))
+
+    def _write_line(self, key: str, t: LaunchTime | _Refusal) -> None:
         if self._file is None:
             return
         line = (json.dumps({"key": key, **t.as_dict()}, separators=(",", ":")) + "\n").encode("utf-8")
@@ -368,7 +378,23 @@ def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> di
     return summary
 
 
-def _read_cache(path: Path, out: dict[str, LaunchTime], start: int = 0) -> int:
+@dataclass(frozen=True)
+class _Refusal:
+    """A fused part a kernel refused (``kind``: the exception's class name), as the disk cache
+    keeps it."""
+
+    kind: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"refused": self.kind, "message": self.message}
+
+    def error(self) -> InvalidArgumentError:
+        """The exception the build raised, rebuilt (DoesNotFit or InvalidArgumentError)."""
+        return (DoesNotFit if self.kind == "DoesNotFit" else InvalidArgumentError)(self.message)
+
+
+def _read_cache(path: Path, out: dict[str, LaunchTime | _Refusal], start: int = 0) -> int:
     """Add the entries of the cache file from byte ``start`` on to ``out``; returns the byte just
     past the last whole line read (a line still being written is read next time)."""
     try:
@@ -381,6 +407,9 @@ def _read_cache(path: Path, out: dict[str, LaunchTime], start: int = 0) -> int:
     for raw in data[:whole].splitlines():
         try:
             d = json.loads(raw)
+            if "refused" in d:
+                out[d["key"]] = _Refusal(str(d["refused"]), str(d["message"]))
+                continue
             out[d["key"]] = LaunchTime(
                 float(d["time_s"]),
                 float(d["hbm_bytes"]),

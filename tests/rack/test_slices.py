@@ -184,3 +184,35 @@ def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refus
         else:
             fig = timer.time_part(chip_config(cfg, mapping), layer, step, launches)
             assert 0 < fig.time_s < 1.0
+
+
+def test_a_refused_fused_part_is_remembered_on_disk(monkeypatch, tmp_path):
+    """A part's refusal goes into the disk cache with its kind and message, so that the next
+    process (a warm sweep) raises it without building the part again."""
+    import jalapeno_emu.model.fused as fused
+    from jalapeno_emu.kernels.planning import DoesNotFit
+    from jalapeno_emu.rack.launch_timer import LaunchTime
+
+    cfg = load_model_config("tiny-deepseek")
+    layer = next(i for i in range(cfg.layers) if cfg.is_moe(i))
+    mapping = Mapping(tp=2)
+    launches = token_launches(cfg, mapping, layer, 2)
+    step = Step("decode", batch=2, context=DENSE_PART_CONTEXT)
+    real = fused.build_part
+    builds = []
+
+    def with_a_replan(*args, **kwargs):
+        fb = real(*args, **kwargs)
+        fb.composer.ops[0].replanned = True
+        builds.append(1)
+        return fb
+
+    monkeypatch.setattr(fused, "build_part", with_a_replan)
+    messages = []
+    for _ in range(2):  # two processes' timers on one cache directory
+        timer = LaunchTimer("tiny", disk_cache=tmp_path)
+        monkeypatch.setattr(timer, "time", lambda la, **kw: LaunchTime(1e-9, 0.0, 0.0, "latency", 1))
+        with pytest.raises(DoesNotFit, match="re-planned, its launches") as err:
+            timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+        messages.append(str(err.value))
+    assert len(builds) == 1 and messages[0] == messages[1]

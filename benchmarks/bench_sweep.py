@@ -15,8 +15,9 @@ Two runs of the same sweep, measured in the same invocation:
   (``--cache-dir``), which is what a repeated ``jalapeno-emu sweep`` costs.
 
 Run: ``python benchmarks/bench_sweep.py [--models gpt-oss-120b,...] [--json out.json]
-[--cache-dir DIR] [--phase cold|warm|both]``. The cache directory defaults to a fresh temporary
-one, so ``cold`` is cold.
+[--cache-dir DIR] [--phase cold|warm|both] [--workers N]``. The cache directory defaults to a
+fresh temporary one, so ``cold`` is cold. ``--workers 2`` on a 2-core machine measures what
+``jalapeno-emu sweep`` does there (its default is the CPU count).
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ CONCURRENCIES = [2**i for i in range(11)]
 REPORT_AT = (1, 64, 1024)
 
 
-def run_models(models: list[str], cache_dir: str) -> dict[str, Any]:
-    """Sweep each model in this process with the disk cache in ``cache_dir``; figures per model."""
+def run_models(models: list[str], cache_dir: str, workers: int = 1) -> dict[str, Any]:
+    """Sweep each model with the disk cache in ``cache_dir``; figures per model. ``workers`` > 1:
+    the mappings run in that many local processes, as ``jalapeno-emu sweep --workers`` does (the
+    kernel counts below are then this process's only)."""
     os.environ["JALAPENO_EMU_CACHE_DIR"] = cache_dir
+    from jalapeno_emu.parallel import executor
     from jalapeno_emu.rack.deployment import sweep_mappings
     from jalapeno_emu.rack.launch_timer import shared_timer
     from jalapeno_emu.rack.search import OBJECTIVES
@@ -48,7 +52,9 @@ def run_models(models: list[str], cache_dir: str) -> dict[str, Any]:
     for model in models:
         builds0, build_s0 = timer.builds, timer.build_wall_s
         t0, cpu0 = time.perf_counter(), time.process_time()
-        points, screened = sweep_mappings(model, "jalapeno-v1", ISL, OSL, CONCURRENCIES, disk_cache=True)
+        with executor(workers) as ex:
+            points, screened = sweep_mappings(model, "jalapeno-v1", ISL, OSL, CONCURRENCIES, disk_cache=True,
+                                              executor=ex)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         best = {}
         for c in REPORT_AT:
@@ -75,12 +81,12 @@ def run_models(models: list[str], cache_dir: str) -> dict[str, Any]:
     return out
 
 
-def _phase(models: list[str], cache_dir: str) -> dict[str, Any]:
+def _phase(models: list[str], cache_dir: str, workers: int) -> dict[str, Any]:
     """One phase in a fresh process (a process-wide timer would otherwise remember the cold run)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [sys.executable, __file__, "--models", ",".join(models), "--cache-dir", cache_dir,
-           "--phase", "inner", "--json", path]
+           "--phase", "inner", "--json", path, "--workers", str(workers)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t0
@@ -98,20 +104,24 @@ def main() -> None:
     ap.add_argument("--cache-dir", help="disk cache directory (default: a fresh temporary one)")
     ap.add_argument("--phase", default="both", choices=("cold", "warm", "both", "inner"))
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="local processes for the mappings (1: serial, the default; the CPU count is "
+                         "what `jalapeno-emu sweep` uses)")
     args = ap.parse_args()
     models = [m for m in args.models.split(",") if m]
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jalapeno-emu-bench-")
     if args.phase == "inner":
-        doc = run_models(models, cache_dir)
+        doc = run_models(models, cache_dir, args.workers)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=2)
         return
     results: dict[str, Any] = {"workload": {"isl": ISL, "osl": OSL, "concurrencies": CONCURRENCIES,
-                                            "preset": "jalapeno-v1"}, "cpus": os.cpu_count()}
+                                            "preset": "jalapeno-v1"}, "cpus": os.cpu_count(),
+               "workers": args.workers}
     for phase in (("cold", "warm") if args.phase == "both" else (args.phase,)):
-        print(f"--- {phase} (cache {cache_dir})", flush=True)
-        results[phase] = _phase(models, cache_dir)
+        print(f"--- {phase} (cache {cache_dir}, {args.workers} worker(s))", flush=True)
+        results[phase] = _phase(models, cache_dir, args.workers)
         total = sum(v["wall_s"] for k, v in results[phase].items() if k in models)
         proc = results[phase]["process_wall_s"]
         print(f"{phase}: all models {total:.1f} s (process {proc:.1f} s)", flush=True)

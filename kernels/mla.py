@@ -326,8 +326,9 @@ class Flash:
                                                         for u in range(period)])
                 j += rounds * period
                 continue
-            self._step(base, tiles, j)
-            j += 1
+            for jj in range(j, j + max(run, 1)):  # too short to loop, and so is any part of it
+                self._step(base, tiles, jj)
+            j += max(run, 1)
         self.g = base + n
 
     @staticmethod

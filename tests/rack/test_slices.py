@@ -149,13 +149,10 @@ def test_a_fused_dense_ffn_after_its_norm_plans_as_stand_alone():
     assert part.pieces == 1 and 0 < part.time_s < sum(a.time_s for a in alone)
 
 
-def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refused(monkeypatch):
-    """A fused part whose operators were re-planned into the memory the others left can be slower
-    than its launches back to back (Kimi K2.5's dense-layer token part at 4,096 tokens: 4.26 ms
-    fused, 1.03 ms launched); time_part then refuses it, and the step model times the launches."""
+def _replanned_part(monkeypatch):
+    """tiny-deepseek's MoE-layer token part at 2 tokens with its first operator marked re-planned
+    (``fused.build_part`` patched): (chip config, layer, step, launches, list of builds so far)."""
     import jalapeno_emu.model.fused as fused
-    from jalapeno_emu.kernels.planning import DoesNotFit
-    from jalapeno_emu.rack.launch_timer import LaunchTime
 
     cfg = load_model_config("tiny-deepseek")
     layer = next(i for i in range(cfg.layers) if cfg.is_moe(i))
@@ -172,6 +169,17 @@ def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refus
         return fb
 
     monkeypatch.setattr(fused, "build_part", with_a_replan)
+    return chip_config(cfg, mapping), layer, step, launches, builds
+
+
+def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refused(monkeypatch):
+    """A fused part whose operators were re-planned into the memory the others left can be slower
+    than its launches back to back (Kimi K2.5's dense-layer token part at 4,096 tokens: 4.26 ms
+    fused, 1.03 ms launched); time_part then refuses it, and the step model times the launches."""
+    from jalapeno_emu.kernels.planning import DoesNotFit
+    from jalapeno_emu.rack.launch_timer import LaunchTime
+
+    chip, layer, step, launches, builds = _replanned_part(monkeypatch)
     for launched_s, refused in ((1e-9, True), (1.0, False)):
         timer = LaunchTimer("tiny")
         each = LaunchTime(launched_s, 0.0, 0.0, "latency", 1)
@@ -179,40 +187,25 @@ def test_a_fused_part_slower_than_its_launches_with_replanned_operators_is_refus
         if refused:
             for _ in range(2):  # the refusal is remembered: one build
                 with pytest.raises(DoesNotFit, match="re-planned, its launches"):
-                    timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+                    timer.time_part(chip, layer, step, launches)
             assert len(builds) == 1
         else:
-            fig = timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+            fig = timer.time_part(chip, layer, step, launches)
             assert 0 < fig.time_s < 1.0
 
 
 def test_a_refused_fused_part_is_remembered_on_disk(monkeypatch, tmp_path):
     """A part's refusal goes into the disk cache with its kind and message, so that the next
     process (a warm sweep) raises it without building the part again."""
-    import jalapeno_emu.model.fused as fused
     from jalapeno_emu.kernels.planning import DoesNotFit
     from jalapeno_emu.rack.launch_timer import LaunchTime
 
-    cfg = load_model_config("tiny-deepseek")
-    layer = next(i for i in range(cfg.layers) if cfg.is_moe(i))
-    mapping = Mapping(tp=2)
-    launches = token_launches(cfg, mapping, layer, 2)
-    step = Step("decode", batch=2, context=DENSE_PART_CONTEXT)
-    real = fused.build_part
-    builds = []
-
-    def with_a_replan(*args, **kwargs):
-        fb = real(*args, **kwargs)
-        fb.composer.ops[0].replanned = True
-        builds.append(1)
-        return fb
-
-    monkeypatch.setattr(fused, "build_part", with_a_replan)
+    chip, layer, step, launches, builds = _replanned_part(monkeypatch)
     messages = []
     for _ in range(2):  # two processes' timers on one cache directory
         timer = LaunchTimer("tiny", disk_cache=tmp_path)
         monkeypatch.setattr(timer, "time", lambda la, **kw: LaunchTime(1e-9, 0.0, 0.0, "latency", 1))
         with pytest.raises(DoesNotFit, match="re-planned, its launches") as err:
-            timer.time_part(chip_config(cfg, mapping), layer, step, launches)
+            timer.time_part(chip, layer, step, launches)
         messages.append(str(err.value))
     assert len(builds) == 1 and messages[0] == messages[1]

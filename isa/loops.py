@@ -12,12 +12,13 @@ difference, so a loop never stands for instructions other than the ones the body
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.program import Engine, Instruction, Loop, Tile
 
-__all__ = ["by_engine", "loops_from_iterations"]
+__all__ = ["LOOP_MIN_ROUNDS", "by_engine", "issue_in_rounds", "loops_from_iterations"]
 
 
 def by_engine(instructions: Sequence[Instruction]) -> dict[Engine, list[Instruction]]:
@@ -115,3 +116,42 @@ def loops_from_iterations(first: Sequence[Instruction], second: Sequence[Instruc
                         f"{dict(g.args)}, where the steps of the first iterations give {dict(w.args)}",
                         hint="every changing operand must change by the same amount each iteration")
     return loops
+
+
+LOOP_MIN_ROUNDS = 4
+"""Whole rounds below which steady steps are issued as they are: ``repeat`` unrolls three
+iterations or fewer anyway, and a loop still costs four issued iterations to find and check."""
+
+
+def issue_in_rounds(kb: Any, start: int, stop: int, period: int, steady: Callable[[int, int], bool],
+                    issue: Callable[[int], object], min_rounds: int = LOOP_MIN_ROUNDS) -> None:
+    """``issue(i)`` for i in range(start, stop), in order, runs of steady steps as hardware loops.
+
+    A run is the steps from some i on for which ``steady(step, i)`` holds: each issues what step
+    i does up to affine operands (tile offsets, semaphore counts), and whatever a step uses (its
+    buffers, queues, parities) comes round again every ``period`` steps. A run of at least
+    ``min_rounds`` whole rounds of ``period`` steps goes out through ``kb.repeat`` (one loop per
+    engine ``issue`` uses); the steps after its last whole round, and runs too short for a loop,
+    are issued as they are (a shorter run from a later step of the same run is shorter still).
+
+    Args:
+        kb: the KernelBuilder.
+        start, stop: the steps.
+        period: steps per round.
+        steady: ``steady(step, first)``: step belongs to the run that starts at ``first``.
+        issue: issues one step on the builder.
+        min_rounds: the fewest whole rounds worth a loop.
+    """
+    i = start
+    while i < stop:
+        run = 0
+        while i + run < stop and steady(i + run, i):
+            run += 1
+        rounds = run // period
+        if rounds >= min_rounds:
+            kb.repeat(rounds, lambda r, i0=i: [issue(i0 + r * period + b) for b in range(period)])
+            i += rounds * period
+            continue
+        for k in range(i, i + max(1, run)):
+            issue(k)
+        i += max(1, run)

@@ -8,8 +8,8 @@ Every engine walks a unit's KV tiles in the same order, and a tile's buffers, ac
 queues come round again every ``period`` tiles (the KV slots, two parities, the queues per
 stream). So a unit's steady tiles (past its first two, full, unmasked, nothing to take from
 chip, HBM sources a constant step apart) go out in whole rounds of ``period`` as one hardware
-loop per engine (``KernelBuilder.repeat``) once there are ``_LOOP_MIN_ROUNDS`` rounds: the same
-instructions on every engine as unrolled, so the same timing and bits. gpt-oss-120b's prefill
+loop per engine once there are ``LOOP_MIN_ROUNDS`` rounds (``isa.loops.issue_in_rounds``): the
+same instructions on every engine as unrolled, so the same timing and bits. gpt-oss-120b's prefill
 attention at TP4 on b200 (4096 new tokens over 4096 cached, 32-token tiles): 6.5M instructions
 in 479k program items, built in 9 s instead of 45 s.
 """
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
+from jalapeno_emu.isa.loops import issue_in_rounds
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 
@@ -33,7 +34,6 @@ _DECODE_TILES = (2048, 1024, 512, 256, 128, 64, 32)
 _PREFILL_TILES = (128, 64, 32)
 _NBUF = 6  # KV slots per core: two tiles in flight per stream, one being multiplied, one spare
 _MAX_RING = 32  # decode keeps up to this many units' queries and outputs without reuse
-_LOOP_MIN_ROUNDS = 4  # rounds of KV tiles below which they are issued unrolled (repeat's own floor)
 
 
 
@@ -225,7 +225,6 @@ class _Core:
         names += ("kvnew",) if self.taken else ()
         self.sem = {n: kb.semaphore(f"c{c}.{n}") for n in names}
         self._load_waited: set[tuple] = set()  # (stream, queue, condition) already waited for
-        self._no_loop_before: dict[str, int] = {}  # per engine pass: see _looped
         self.first, self.last = {}, {}
         for j, (u, _) in enumerate(self.flat):
             self.first.setdefault(u, j)
@@ -250,28 +249,6 @@ class _Core:
         return (u == u0 and j >= self.first[u] + 2 and st.n == st0.n and st.mask is None
                 and st.new is None and st.idx is None and j not in self.taken
                 and j + 1 not in self.taken)
-
-    def _looped(self, tag: str, j: int, stop: int, emit: Callable[[int], object],
-                plain: Callable[[int], bool] | None = None, loads: bool = False) -> int:
-        """Issue steps j.. (before ``stop``) as one hardware loop per engine (``KernelBuilder.repeat``
-        over whole rounds of ``period`` steps, ``emit(step)`` issuing one step) when at least
-        ``_LOOP_MIN_ROUNDS`` rounds qualify: every step steady (``_steady``, and ``plain``) and,
-        with ``loads``, each round's HBM sources a constant step after the previous round's.
-        Returns the steps issued (0: none, the caller issues step j as usual). ``tag`` names the
-        engine pass: a stretch found too short is not scanned again from each of its steps."""
-        period = self.period
-        if j < self._no_loop_before.get(tag, -1):
-            return 0  # inside a steady stretch already found too short: no loop starts in it
-        n = 0
-        while (j + n < stop and self._steady(j + n, j) and (plain is None or plain(j + n))
-               and (not loads or n < period or self._affine_sources(j + n, j, period))):
-            n += 1
-        rounds = n // period
-        if rounds < _LOOP_MIN_ROUNDS:
-            self._no_loop_before[tag] = j + n
-            return 0
-        self.kb.repeat(rounds, lambda i: [emit(j + i * period + u) for u in range(period)])
-        return rounds * period
 
     def _sources(self, j: int) -> list[Tile]:
         st = self.flat[j][1]
@@ -309,13 +286,14 @@ class _Core:
         kqs = [self.core.dma[2 * i] for i in range(nq)]
         vqs = [self.core.dma[2 * i + 1] for i in range(nq)]
         stop = len(self.flat) if stop is None else stop
-        j = start
-        while j < stop:
-            looped = self._looped("loads", j, stop, lambda jj: self._emit_load(jj, kqs, vqs, k_gate, v_gate),
-                                  lambda jj: self._load_plain(jj, k_gate, v_gate), loads=True)
-            if not looped:
-                self._emit_load(j, kqs, vqs, k_gate, v_gate)
-            j += looped or 1
+        period = self.period
+
+        def steady(j: int, j0: int) -> bool:  # and each round's HBM sources a constant step on
+            return (self._steady(j, j0) and self._load_plain(j, k_gate, v_gate)
+                    and (j - j0 < period or self._affine_sources(j, j0, period)))
+
+        issue_in_rounds(self.kb, start, stop, period, steady,
+                        lambda j: self._emit_load(j, kqs, vqs, k_gate, v_gate))
 
     def _load_plain(self, j: int, k_gate: tuple | None, v_gate: tuple | None) -> bool:
         """Step j's loads wait for nothing of their own: no gate or writer condition its queues
@@ -512,19 +490,15 @@ class _Core:
                    b_scale=vs, mode="overwrite")
         mxu.signal(self.sem["pvdone"])
 
+    def _mxu_step(self, j: int) -> None:
+        self._s(j)
+        if j:
+            self._pv(j - 1)
+
     def emit_mxu(self) -> None:
         """S(0), then S(j), P.V(j-1) alternately: S(j) overlaps the softmax of tile j-1."""
         n = len(self.flat)
-        j = 0
-        while j < n:
-            looped = self._looped("mxu", j, n, lambda jj: (self._s(jj), self._pv(jj - 1)))
-            if looped:
-                j += looped
-                continue
-            self._s(j)
-            if j:
-                self._pv(j - 1)
-            j += 1
+        issue_in_rounds(self.kb, 0, n, self.period, self._steady, self._mxu_step)
         if n:
             self._pv(n - 1)
 
@@ -675,6 +649,21 @@ class _Core:
             v.mul(o, mg.o.sub((i - 1) * r, 0, r, d), mg.a.sub(0, i, r, 1))
             v.add(big, big, o)
 
+    def _vpu_step(self, j: int, sinks: Tile | None, cos_row: Tile | None, sin_row: Tile | None) -> None:
+        """Step j on the vector unit: the next unit's RoPE at a unit's first step, the new key
+        the next step's S matmul needs, softmax(j), then update(j-1) (and its unit's finish)."""
+        u, _ = self.flat[j]
+        if j == self.first[u] and u + 1 < len(self.units):
+            self._rope(u + 1, cos_row, sin_row)
+        if j + 1 in self.taken:  # before the softmax the S matmul of step j+1 follows
+            self._take_new(j + 1)
+        self._softmax(j, sinks)
+        if j:
+            self._update(j - 1)
+            pu = self.flat[j - 1][0]
+            if j - 1 == self.last[pu]:
+                self._finalize(pu)
+
     def emit_vpu(self, sinks: Tile | None, cos_row: Tile | None, sin_row: Tile | None) -> None:
         """Rotate unit u+1's queries before the first softmax of unit u; softmax(j) then
         update(j-1), so the vector unit never waits on the P.V it has just enabled."""
@@ -686,24 +675,8 @@ class _Core:
         if 0 in self.taken:
             self._take_new(0)
         n = len(self.flat)
-        j = 0
-        while j < n:
-            looped = self._looped("vpu", j, n, lambda jj: (self._softmax(jj, sinks), self._update(jj - 1)))
-            if looped:
-                j += looped
-                continue
-            u, _ = self.flat[j]
-            if j == self.first[u] and u + 1 < len(self.units):
-                self._rope(u + 1, cos_row, sin_row)
-            if j + 1 in self.taken:  # before the softmax the S matmul of step j+1 follows
-                self._take_new(j + 1)
-            self._softmax(j, sinks)
-            if j:
-                self._update(j - 1)
-                pu = self.flat[j - 1][0]
-                if j - 1 == self.last[pu]:
-                    self._finalize(pu)
-            j += 1
+        issue_in_rounds(self.kb, 0, n, self.period, self._steady,
+                        lambda j: self._vpu_step(j, sinks, cos_row, sin_row))
         self._update(n - 1)
         self._finalize(self.flat[n - 1][0])
 

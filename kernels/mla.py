@@ -43,6 +43,7 @@ import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
+from jalapeno_emu.isa.loops import issue_in_rounds
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 from jalapeno_emu.lazy import LazyModule
@@ -60,7 +61,6 @@ __all__ = ["BLOCK_TOKENS", "COMMON_SHAPE_KEYS", "SLACK_BYTES", "TOLERANCE", "Fla
 
 SLACK_BYTES = 8192  # bytes kept free for allocation alignment (64 B per allocation)
 BLOCK_TOKENS = 32  # tokens per matrix-unit contraction block: cache capacities and key tiles come in these
-LOOP_MIN_ROUNDS = 4  # rounds of steady flash tiles below which they are issued unrolled
 _PAD_GARBAGE = 1e4  # magnitude of the test inputs' padding rows: large, finite, random signs
 _BF16 = ml_dtypes.bfloat16
 
@@ -310,25 +310,13 @@ class Flash:
         """Issue ``tiles`` in order; the matrix unit runs scores(j+1) before pv(j).
 
         Runs of steady tiles (``_steady``) go out in whole rounds of ``period`` tiles as one
-        hardware loop per engine once there are ``LOOP_MIN_ROUNDS`` rounds: ``period`` is a
+        hardware loop per engine (``isa.loops.issue_in_rounds``): ``period`` is a
         multiple of 2 (this loop's own buffers alternate) and of whatever the callers' callbacks
         rotate (their KV buffers)."""
-        base = self.g
-        n = len(tiles)
-        j = 0
-        while j <= n:
-            run = 0
-            while j + run < n and self._steady(tiles, j + run, j):
-                run += 1
-            rounds = run // period
-            if rounds >= LOOP_MIN_ROUNDS:
-                self.kb.repeat(rounds, lambda i, j0=j: [self._step(base, tiles, j0 + i * period + u)
-                                                        for u in range(period)])
-                j += rounds * period
-                continue
-            for jj in range(j, j + max(run, 1)):  # too short to loop, and so is any part of it
-                self._step(base, tiles, jj)
-            j += max(run, 1)
+        base, n = self.g, len(tiles)
+        # Steps 0..n: step n is the PV and update of the last tile.
+        issue_in_rounds(self.kb, 0, n + 1, period, lambda j, j0: j < n and self._steady(tiles, j, j0),
+                        lambda j: self._step(base, tiles, j))
         self.g = base + n
 
     @staticmethod

@@ -59,6 +59,7 @@ import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.isa.builder import MXTensor
+from jalapeno_emu.isa.loops import issue_in_rounds
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES, Space
 from jalapeno_emu.lazy import LazyModule
@@ -104,7 +105,6 @@ __all__ = ["PanelPlan", "emit_panel", "panel_reference", "panel_tensors", "plan_
 _NBUFS = (3, 4, 6, 8)  # weight panels per core the planner tries (nbuf - 1 loads ahead of the matrix unit)
 _NG = 4  # combine terms in flight per core
 _MAX_TOKENS = 128  # one matrix-unit row tile: every slot computes every token
-_LOOP_MIN_ROUNDS = 4  # rounds of panels below which they are issued unrolled (repeat's own floor)
 _MAX_INSTRUCTIONS = 300_000  # beyond this the estimate is penalised (build and timing time)
 # Each this many instructions add 1 % to the estimate: of two splits within a few per cent, the
 # one with larger panels (a program quicker to build and time) wins.
@@ -846,22 +846,10 @@ class _Emitter:
         (``KernelBuilder.repeat``): the same instructions, in a program that does not grow with
         the panels (DeepSeek-R1 on b200 at 64 tokens: 4.5M instructions unrolled). ``issue``
         signals with ``EngineHandle.signal``; the caller counts the signals."""
-        nb, full = self.p.nbuf, panels[0][1]
-        k = 0
-        while k < len(panels):
-            run = 0
-            while k + run < len(panels) and panels[k + run][1] == full and steady(k + run, step0 + k + run):
-                run += 1
-            rounds = run // nb
-            if rounds >= _LOOP_MIN_ROUNDS:
-                k0 = k
-                self.kb.repeat(rounds, lambda r, k0=k0: [issue(k0 + r * nb + b, step0 + k0 + r * nb + b)
-                                                           for b in range(nb)])
-                k += rounds * nb
-                continue
-            for kk in range(k, k + max(1, run)):
-                issue(kk, step0 + kk)
-            k += max(1, run)
+        full = panels[0][1]
+        issue_in_rounds(self.kb, 0, len(panels), self.p.nbuf,
+                        lambda k, _: panels[k][1] == full and steady(k, step0 + k),
+                        lambda k: issue(k, step0 + k))
 
     def _gu_side(self, c: int, n: int, item: tuple[int, int]) -> None:
         """Queue 2: item n's gate weights (routed) and gate|up bias."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.isa.loops import issue_in_rounds
 from jalapeno_emu.isa.program import Program
 
 __all__ = [
@@ -299,10 +300,4 @@ def _rounds(kb: KernelBuilder, n: int, nbuf: int, step: Callable[[int], None]) -
     """``step(i)`` for i in range(n): the first round of ``nbuf`` steps as they are (fresh buffers
     wait for nothing), the whole rounds after it as hardware loops (``KernelBuilder.repeat``: one
     round is the same up to affine offsets and counts), the rest as they are."""
-    first = min(n, nbuf)
-    for i in range(first):
-        step(i)
-    rounds = (n - first) // nbuf
-    kb.repeat(rounds, lambda r: [step(first + r * nbuf + b) for b in range(nbuf)])
-    for i in range(first + rounds * nbuf, n):
-        step(i)
+    issue_in_rounds(kb, 0, n, nbuf, lambda i, _: i >= nbuf, step)

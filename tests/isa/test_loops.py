@@ -307,3 +307,40 @@ def test_the_looped_assembly_example_computes_exp_and_times_as_written_out():
     np.testing.assert_allclose(y, np.exp(x), rtol=1e-6)
     assert np.array_equal(y.view(np.uint32),
                           np.frombuffer(run_functional(plain).read_bytes("y"), np.uint32))
+
+
+def _rounds_kernel(n: int, steady_from: int) -> Program:
+    """``issue_in_rounds`` over n steps of a two-slot load/scale/store stream, steady from
+    ``steady_from`` on."""
+    from jalapeno_emu.isa.loops import issue_in_rounds
+
+    kb = KernelBuilder("rounds", "tiny")
+    a, b = kb.hbm("A", (8 * n, 64), "f32"), kb.hbm("B", (8 * n, 64), "f32")
+    buf = [kb.sram(0, f"buf{s}", (8, 64), "f32") for s in range(2)]
+    c = kb.core(0)
+    loaded, stored = kb.semaphore("loaded"), kb.semaphore("stored")
+
+    def step(j: int) -> None:
+        if j >= 2:
+            c.dma[0].wait(stored, j - 1)
+        c.dma[0].load(buf[j % 2], a.sub(8 * j, 0, 8, 64))
+        c.dma[0].signal(loaded)
+        c.dma[1].wait(loaded, j + 1)
+        c.dma[1].store(b.sub(8 * j, 0, 8, 64), buf[j % 2])
+        c.dma[1].signal(stored)
+
+    issue_in_rounds(kb, 0, n, 2, lambda j, _: j >= steady_from, step)
+    return kb.build()
+
+
+@pytest.mark.parametrize("n, steady_from, loops", [(13, 2, True), (13, 6, False), (8, 1, False)])
+def test_issue_in_rounds_loops_only_whole_steady_rounds(n, steady_from, loops):
+    """Steps 2..11 (five rounds of two) become loops, step 12 follows as it is; a steady run of
+    fewer than four rounds (7 steps from step 6 or from step 1) stays unrolled."""
+    program = _rounds_kernel(n, steady_from)
+    with unrolled_loops():
+        plain = _rounds_kernel(n, steady_from)
+    assert bool(program.loops) == loops
+    if loops:
+        assert all(loop.count == 4 for loop in program.loops)  # rounds 1..4; round 0 is issued as is
+    _same_per_engine(program, plain)

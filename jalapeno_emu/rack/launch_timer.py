@@ -147,14 +147,15 @@ class LaunchTimer:
         self.build_wall_s = 0.0
         """Wall seconds spent building and timing them."""
         self._file: Path | None = None
-        self._disk: dict[str, LaunchTime | _Refusal] = {}
+        self._disk: dict[str, LaunchTime | _Refusal | _Decision] = {}
+        self._decisions: dict[str, str] = {}
         self._disk_read_bytes = 0  # how much of the file _disk holds (whole lines)
         if disk_cache:
             directory = cache_root() if disk_cache is True else Path(disk_cache)
             self._file = directory / f"timings-{spec_fingerprint(self.spec)}-{code_fingerprint()}.jsonl"
             self._disk_read_bytes = _read_cache(self._file, self._disk)
 
-    def _from_disk(self, key: str) -> LaunchTime | _Refusal | None:
+    def _from_disk(self, key: str) -> LaunchTime | _Refusal | _Decision | None:
         """The figures of ``key`` in the disk cache, reading first what other processes appended
         since the last read: a sweep's workers then build a program once between them, not once
         each (a miss costs one ``stat``)."""
@@ -254,6 +255,25 @@ class LaunchTimer:
             self._parts[key] = hit
         return hit
 
+    def moe_grouping(self, launch: Launch) -> str:
+        """The MoE kernel's program family for ``launch`` on this timer's spec ("dense" or "gather",
+        :func:`jalapeno_emu.kernels.moe.grouping_of`), remembered like a launch's figures: in
+        memory and in the disk cache. The rack asks it at every MoE grid point of every mapping,
+        and answering it runs the kernel's planners: 1-2 s of each model's warm sweep."""
+        key = json.dumps(["moe-grouping", [list(kv) for kv in launch.shape]], separators=(",", ":"))
+        hit = self._decisions.get(key)
+        if hit is None:
+            found = self._from_disk(key)
+            if isinstance(found, _Decision):
+                hit = found.value
+            else:
+                from jalapeno_emu.kernels.moe import grouping_of  # the kernel's own rule
+
+                hit = grouping_of(launch.shape_dict, self.spec)
+                self._write_line(key, _Decision(hit))
+            self._decisions[key] = hit
+        return hit
+
     def time_s(self, launch: Launch) -> float:
         """Seconds of ``launch`` (see :meth:`time`)."""
         return self.time(launch).time_s
@@ -335,7 +355,7 @@ class LaunchTimer:
         sweep re-built 16 refused parts, 40 s of its warm run)."""
         self._write_line(key, _Refusal(type(exc).__name__, str(exc)))
 
-    def _write_line(self, key: str, t: LaunchTime | _Refusal) -> None:
+    def _write_line(self, key: str, t: LaunchTime | _Refusal | _Decision) -> None:
         if self._file is None:
             return
         line = (json.dumps({"key": key, **t.as_dict()}, separators=(",", ":")) + "\n").encode("utf-8")
@@ -394,7 +414,17 @@ class _Refusal:
         return (DoesNotFit if self.kind == "DoesNotFit" else InvalidArgumentError)(self.message)
 
 
-def _read_cache(path: Path, out: dict[str, LaunchTime | _Refusal], start: int = 0) -> int:
+@dataclass(frozen=True)
+class _Decision:
+    """A kernel's choice for a shape (:meth:`LaunchTimer.moe_grouping`), as the disk cache keeps it."""
+
+    value: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"decision": self.value}
+
+
+def _read_cache(path: Path, out: dict[str, LaunchTime | _Refusal | _Decision], start: int = 0) -> int:
     """Add the entries of the cache file from byte ``start`` on to ``out``; returns the byte just
     past the last whole line read (a line still being written is read next time)."""
     try:
@@ -409,6 +439,9 @@ def _read_cache(path: Path, out: dict[str, LaunchTime | _Refusal], start: int = 
             d = json.loads(raw)
             if "refused" in d:
                 out[d["key"]] = _Refusal(str(d["refused"]), str(d["message"]))
+                continue
+            if "decision" in d:
+                out[d["key"]] = _Decision(str(d["decision"]))
                 continue
             out[d["key"]] = LaunchTime(
                 float(d["time_s"]),

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,7 @@ def routed_moe_launch(
     distinct: float,
     top_k: float,
     spec: ChipSpec | None = None,
+    grouping: Callable[[Launch], str] | None = None,
 ) -> Launch:
     """The routed-expert launch of one chip: ``tokens`` received, each picking ``top_k`` of the
     chip's experts, ``distinct`` expert slots; all rounded to integers and clamped to what the
@@ -138,6 +140,8 @@ def routed_moe_launch(
     expected count of the chip's tokens, so the FLOPs are the routed work) and gathering each
     expert's tokens; in the latter every local expert is an item and the slot count does not
     apply (``distinct_experts=0``). Without ``spec`` the slot program is assumed up to 128 tokens.
+    ``grouping`` answers the kernel's choice for the slot launch in place of asking the kernel
+    (:meth:`~jalapeno_emu.rack.launch_timer.LaunchTimer.moe_grouping`, which remembers it on disk).
 
     Raises:
         InvalidArgumentError: a model without routed experts (from the kernel's shape checks).
@@ -166,6 +170,8 @@ def routed_moe_launch(
             score_bias=chip.score_bias,
         )
     slots = launch("moe", "moe", **keys, distinct_experts=d)
+    if grouping is not None:
+        return slots if grouping(slots) == "dense" else launch("moe", "moe", **keys)
     if spec is not None:
         from jalapeno_emu.kernels.moe import grouping_of  # the kernel's own rule (loaded on use)
 

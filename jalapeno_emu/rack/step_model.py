@@ -69,10 +69,9 @@ budget (default 8192) times dp.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -81,6 +80,7 @@ from jalapeno_emu.chip import ChipSpec, load_preset
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
 from jalapeno_emu.model.plan import Step
+from jalapeno_emu.rack.grid import LazyGrid1D, LazyGrid2D, bracket1
 from jalapeno_emu.rack.launch_timer import LaunchTimer, shared_timer
 from jalapeno_emu.rack.mapping import (
     ChipMemory,
@@ -131,112 +131,6 @@ _MOE_GRID_LIST = [float(g) for g in MOE_GRID]
 
 def _pow2_ceil(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(x) - 1e-12)) if x > 1 else 1
-
-
-def _bracket(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Lower grid index and weight of the upper point for each x (clamped to the grid)."""
-    x = np.minimum(np.maximum(x, grid[0]), grid[-1])
-    i = np.minimum(np.maximum(np.searchsorted(grid, x, side="right") - 1, 0), grid.size - 2)
-    w = (x - grid[i]) / (grid[i + 1] - grid[i])
-    return i, w
-
-
-def _bracket1(grid: list[float], x: float) -> tuple[int, float]:
-    """:func:`_bracket` for one x, in plain floats (the same arithmetic, so the same result)."""
-    x = min(max(x, grid[0]), grid[-1])
-    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
-    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
-
-
-class _Lazy1D:
-    """f on grid points, computed when first needed; piecewise linear between them."""
-
-    def __init__(self, grid: np.ndarray, f: Callable[[int], float]) -> None:
-        self.grid, self.f = grid, f
-        self._grid = [float(g) for g in grid]
-        self.values: dict[int, float] = {}
-
-    def point(self, i: int) -> float:
-        v = self.values.get(i)
-        if v is None:
-            v = self.values[i] = float(self.f(int(self.grid[i])))
-        return v
-
-    def __call__(self, x: float) -> float:
-        i0, w0 = _bracket1(self._grid, float(x))
-        lo = self.point(i0)
-        if w0 == 0.0:
-            return lo
-        return lo + w0 * (self.point(i0 + 1) - lo)
-
-
-class _Lazy2D:
-    """Launch figures (time, HBM bytes, FLOPs) on a grid of (x, y) points, computed when first
-    needed; bilinear between them. Beyond the last x, linear in x with the slope of the last
-    segment, but never below what each extra unit of x costs in HBM bytes at the achievable
-    bandwidth or in FLOPs at the peak rate (the last segment may still sit below the die's knee)."""
-
-    def __init__(
-        self,
-        xs: np.ndarray,
-        ys: np.ndarray,
-        f: Callable[[int, int], np.ndarray],
-        bytes_per_s: float,
-        flops_per_s: float,
-    ) -> None:
-        self.xs, self.ys, self.f = xs, ys, f
-        self._xs, self._ys = [float(v) for v in xs], [float(v) for v in ys]
-        self.bytes_per_s, self.flops_per_s = bytes_per_s, flops_per_s
-        self.values: dict[tuple[int, int], np.ndarray] = {}
-        # The same figures as a dense [x, y, 3] table (NaN = not timed yet), so a column of many
-        # ys (a decode stretch of a thousand steps) is gathered by indexing, not a Python loop.
-        self._table = np.full((xs.size, ys.size, 3), np.nan)
-
-    def _point(self, i: int, j: int) -> np.ndarray:
-        v = self.values.get((i, j))
-        if v is None:
-            v = self.values[(i, j)] = np.asarray(self.f(int(self.xs[i]), int(self.ys[j])), dtype=np.float64)
-            self._table[i, j] = v
-        return v
-
-    def _column(self, i: int, ys: np.ndarray) -> np.ndarray:
-        """float64[3, n]: the figures at x = xs[i], interpolated over ys."""
-        if ys.size <= 8:  # a step or a few sub-chunks: plain floats, the same arithmetic as below
-            cols = []
-            for y in ys.tolist():
-                j0, w0 = _bracket1(self._ys, y)
-                lo1 = self._point(i, j0)
-                cols.append(lo1 if w0 == 0.0 else lo1 + w0 * (self._point(i, j0 + 1) - lo1))
-            return np.array(cols).T
-        j, w = _bracket(self.ys, ys)
-        up = w > 0
-        row = self._table[i]
-        j_hi = np.where(up, j + 1, j)
-        lo, hi = row[j], row[j_hi]
-        if np.isnan(lo[:, 0]).any() or np.isnan(hi[:, 0]).any():  # grid points first needed here
-            for a in sorted(set(j.tolist()) | set(j_hi.tolist())):
-                self._point(i, a)
-            lo, hi = row[j], row[j_hi]
-        return np.where(up, (lo + w[:, None] * (hi - lo)).T, lo.T)
-
-    def __call__(self, x: float, ys: np.ndarray) -> np.ndarray:
-        top = self.xs.size - 1
-        if x > self.xs[top]:
-            hi, lo = self._column(top, ys), self._column(top - 1, ys)
-            dx = self.xs[top] - self.xs[top - 1]
-            slope = np.maximum.reduce(
-                [
-                    (hi[0] - lo[0]) / dx,
-                    (hi[1] - lo[1]) / dx / self.bytes_per_s,
-                    (hi[2] - lo[2]) / dx / self.flops_per_s,
-                ]
-            )
-            return hi[0] + (x - self.xs[top]) * slope
-        i0, w0 = _bracket1(self._xs, float(x))
-        lo = self._column(i0, ys)[0]
-        if w0 == 0.0:
-            return lo
-        return lo + w0 * (self._column(i0 + 1, ys)[0] - lo)
 
 
 class RackStepModel:
@@ -342,12 +236,12 @@ class RackStepModel:
         n_grid = _POW2[(_POW2 >= 32) & (max(32, self.n_unit) >= _POW2)]
         d = self.spec.derived()
         rates = (d["hbm_achievable_bytes_per_s"], d["peak_bf16_flops_per_s"])
-        self._tok: dict[tuple[int, bool], _Lazy1D] = {}
-        self._dec: dict[tuple[int, bool], _Lazy2D] = {}
-        self._pre: dict[tuple[int, bool], _Lazy2D] = {}
+        self._tok: dict[tuple[int, bool], LazyGrid1D] = {}
+        self._dec: dict[tuple[int, bool], LazyGrid2D] = {}
+        self._pre: dict[tuple[int, bool], LazyGrid2D] = {}
         for kind, layer in self._rep.items():
-            self._tok[kind] = _Lazy1D(_POW2, lambda t, layer=layer: self._token_s(layer, t))
-            self._dec[kind] = _Lazy2D(
+            self._tok[kind] = LazyGrid1D(_POW2, lambda t, layer=layer: self._token_s(layer, t))
+            self._dec[kind] = LazyGrid2D(
                 b_grid,
                 CONTEXT_GRID,
                 lambda b, c, layer=layer: self._figures(
@@ -356,7 +250,7 @@ class RackStepModel:
                 ),
                 *rates,
             )
-            self._pre[kind] = _Lazy2D(
+            self._pre[kind] = LazyGrid2D(
                 n_grid,
                 PRIOR_GRID,
                 lambda n, p, layer=layer: self._figures(
@@ -365,8 +259,8 @@ class RackStepModel:
                 ),
                 *rates,
             )
-        self._head = _Lazy1D(_POW2, lambda t: self._launches_s(chip_head_launches(self.cfg, t)))
-        self._tail = _Lazy1D(
+        self._head = LazyGrid1D(_POW2, lambda t: self._launches_s(chip_head_launches(self.cfg, t)))
+        self._tail = LazyGrid1D(
             _POW2,
             lambda r: (
                 self._launches_s(chip_tail_launches(self.cfg, self.mapping, r), self._chip.layers,
@@ -375,7 +269,7 @@ class RackStepModel:
             ),
         )
         if self.load is not None:
-            self._a2a = _Lazy1D(
+            self._a2a = LazyGrid1D(
                 _POW2,
                 lambda t: sum(
                     c.time_s
@@ -440,6 +334,7 @@ class RackStepModel:
             float(self.load.distinct(stage_tokens)),
             self.load.picks_per_token(),
             self.spec,
+            grouping=self.timer.moe_grouping,
         )
 
     def _moe_point(self, tokens: int) -> tuple[float, bool] | None:
@@ -481,7 +376,7 @@ class RackStepModel:
         pieces = 1
         while True:
             x = max(1.0, received / pieces)
-            i, w = _bracket1(_MOE_GRID_LIST, x)
+            i, w = bracket1(_MOE_GRID_LIST, x)
             lo, hi = int(MOE_GRID[i]), int(MOE_GRID[i + 1])
             top = hi if w > 0 else lo
             p_top = self._moe_point(top)
@@ -520,27 +415,29 @@ class RackStepModel:
         return bins[load.index(max(load))]
 
     def _prefill_attention_s(self, kind: tuple[int, bool], chunks: Sequence[tuple[int, int]]) -> float:
+        table = self._pre[kind]
         total = 0.0
         for new, cached in chunks:
             k = math.ceil(new / self.n_unit)
-            x = max(32.0, new / k)
-            priors = cached + (new / k) * np.arange(k, dtype=np.float64)
-            total += float(self._pre[kind](x, priors).sum())
+            total += table.run_sum(max(32.0, new / k), float(cached), new / k, k)
         return total
 
-    def _decode_attention_s(self, kind: tuple[int, bool], batch: int, contexts: np.ndarray) -> np.ndarray:
+    def _decode_attention_s(self, kind: tuple[int, bool], batch: int,
+                            contexts: np.ndarray | float) -> np.ndarray | float:
         return self._dec[kind](float(batch), contexts)
 
     def _step_times(
         self,
         decode_count: int,
-        context_sums: np.ndarray,
+        context_sums: np.ndarray | float,
         chunks: Sequence[tuple[int, int]],
         exact: bool = False,
-    ) -> np.ndarray:
+    ) -> np.ndarray | float:
         """float64[len(context_sums)]: step times for ``decode_count`` sequences whose contexts sum
         to each entry, plus the prefill ``chunks`` (shared by step_time_s and the stretch hook);
-        ``exact`` prices every part by a direct launch instead of the grid."""
+        ``exact`` prices every part by a direct launch instead of the grid. One context sum (a
+        float) gives one time, priced in plain floats with the same arithmetic (numpy's cost per
+        call is most of a single step's price)."""
         m = self.mapping
         pp = m.pp
         b_group = math.ceil(decode_count / m.dp)
@@ -551,7 +448,7 @@ class RackStepModel:
         t = b + p_tokens
         stage_tokens = (decode_count + sum(new for new, _ in chunks)) / flight
         mean_context = context_sums / decode_count if decode_count else None
-        layer_s: dict[tuple[int, bool], np.ndarray] = {}
+        layer_s: dict[tuple[int, bool], np.ndarray | float] = {}
         for kind in self._rep:
             base = self._exact_token_s(kind, t) if exact else self._tok[kind](t)
             if kind[1]:
@@ -566,7 +463,8 @@ class RackStepModel:
                 pre = self._exact_prefill_s(kind, mine) if exact else self._prefill_attention_s(kind, mine)
                 base += pre / flight
             if mean_context is None:
-                att = np.zeros_like(context_sums, dtype=np.float64)
+                att = np.zeros_like(context_sums, dtype=np.float64) if isinstance(context_sums, np.ndarray) \
+                    else 0.0
             elif exact:
                 att = np.array([self._exact_decode_s(kind, b, float(c)) for c in mean_context])
             else:
@@ -635,8 +533,8 @@ class RackStepModel:
         """Seconds the deployment takes for one engine step (see the module docstring)."""
         if work.batch_tokens <= 0:
             raise InvalidArgumentError("step_time_s: a step needs at least one token")
-        sums = np.array([float(work.decode_context_tokens)])
-        return float(self._step_times(work.decode_count, sums, work.prefill_chunks)[0])
+        sums = float(work.decode_context_tokens)
+        return float(self._step_times(work.decode_count, sums, work.prefill_chunks))
 
     def decode_stretch_times_s(self, contexts: np.ndarray, steps: int) -> np.ndarray:
         """float64[steps]: decode-only steps, contexts + j at step j (the same arithmetic as

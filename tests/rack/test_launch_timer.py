@@ -71,3 +71,28 @@ def test_a_kernel_that_cannot_run_on_a_gpu_preset_says_which_and_why():
         InvalidArgumentError, match=r"kernel attention-prefill cannot run on gb300-nvl72: .*scratchpad"
     ):
         LaunchTimer(cramped).time(la)
+
+
+def test_the_moe_grouping_is_the_kernels_and_is_remembered_on_disk(monkeypatch, tmp_path):
+    """A warm sweep reads the MoE kernel's choice of program from the cache instead of running
+    its planners again; a timer without a disk cache asks the kernel."""
+    from jalapeno_emu.kernels import moe
+
+    slots = launch("moe", "moe", tokens=8, hidden=256, intermediate=256, experts=8, top_k=2,
+                   shared_experts=0, activation="silu", distinct_experts=8)
+    gather = launch("moe", "moe", tokens=512, hidden=256, intermediate=256, experts=8, top_k=2,
+                    shared_experts=0, activation="silu", distinct_experts=8)
+    spec = load_preset("tiny")
+    expected = [moe.grouping_of(la.shape_dict, spec) for la in (slots, gather)]
+    assert expected == ["dense", "gather"]
+    first = LaunchTimer(spec, disk_cache=tmp_path)
+    assert [first.moe_grouping(la) for la in (slots, gather)] == expected
+
+    def refuse(*_args):
+        raise AssertionError("the kernel's planners ran again")
+
+    monkeypatch.setattr(moe, "grouping_of", refuse)
+    second = LaunchTimer(spec, disk_cache=tmp_path)
+    assert [second.moe_grouping(la) for la in (slots, gather)] == expected
+    with pytest.raises(AssertionError, match="planners ran again"):
+        LaunchTimer(spec).moe_grouping(slots)

@@ -32,25 +32,14 @@ Data structures, all sized before the loop starts:
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from jalapeno_emu.compiled import njit_cached
 from jalapeno_emu.emu.costs import BARRIER, COPY, HBM, MXU, PROBE, RECV, SEND, SIGNAL, VEC, WAIT
 
 __all__ = ["event_loop"]
 
 
-def _jit(fn):
-    """``njit(cache=True)``, or plain ``njit`` (compiled anew in each process) where numba finds no
-    writable cache directory (the package directory, then the user cache directory)."""
-    try:
-        return njit(cache=True)(fn)
-    except RuntimeError as e:  # numba: "cannot cache function ...: no locator available"
-        if "no locator available" not in str(e):
-            raise
-        return njit(fn)
-
-
-@_jit
+@njit_cached
 def _push(ht, hs, he, size, t, s, e):
     """Push (t, s, e) onto the heap of ``size`` entries; returns the new size."""
     j = size
@@ -69,7 +58,7 @@ def _push(ht, hs, he, size, t, s, e):
     return size + 1
 
 
-@_jit
+@njit_cached
 def _pop(ht, hs, he, size):
     """Remove the least (t, s) entry; returns (t, s, e, new size)."""
     t0, s0, e0 = ht[0], hs[0], he[0]
@@ -96,7 +85,7 @@ def _pop(ht, hs, he, size):
     return t0, s0, e0, size
 
 
-@_jit
+@njit_cached
 def _add_dense(chan_free, split_dt, sp, lo):
     """Every channel: free at max(its time, lo) plus split sp's service time; returns the latest.
 
@@ -132,7 +121,7 @@ def _add_dense(chan_free, split_dt, sp, lo):
     return h0 if h0 > h2 else h2
 
 
-@_jit
+@njit_cached
 def _apply_signal(i, t, seq, hsize, ht, hs, he, a1, a2, sem_count, hist_off, hist_n, hist_cnt, hist_t,
                   hist_i, w_head, w_min, w_next, w_val, w_seq, w_t, w_i, woken, starts, ends, pred, gate,
                   pos, sem_lat):
@@ -193,7 +182,7 @@ def _apply_signal(i, t, seq, hsize, ht, hs, he, a1, a2, sem_count, hist_off, his
     return seq, hsize
 
 
-@_jit
+@njit_cached
 def event_loop(kind, dur, extra, a1, a2, engine_index, n_eng, n_sem, n_bar, n_link,
                split_of, split_dt, split_dense, split_min, touched_off, touched,
                setup, hbm_lat, max_out, fill_s, sem_lat, bar_lat):

@@ -10,12 +10,10 @@ of 2^-6 (value = int8 / 64). E8M0 scale byte ``b`` means 2^(b - 127); 0xFF is Na
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
-
-import ml_dtypes
-import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError
 
@@ -51,7 +49,8 @@ class ElementFormat:
         bias: exponent bias (0 for int8).
         max_code_mag: the code, sign bit clear, of the largest finite magnitude (saturation target).
         is_int: True for MXINT8.
-        ml_dtype: the ml_dtypes scalar type with the same element encoding, or None.
+        ml_dtype_name: "module.type" of the scalar type with the same element encoding (an
+            ml_dtypes type; numpy's int8 for int8), or None; :attr:`ml_dtype` is the type.
         even_mbits: mantissa width that scale_mode="even" rounds amax to (int8: 6, since 127/64 is
             1.111111b).
     """
@@ -62,8 +61,18 @@ class ElementFormat:
     bias: int
     max_code_mag: int
     is_int: bool = False
-    ml_dtype: type | None = None
+    ml_dtype_name: str | None = None
     even_mbits: int = -1
+
+    @property
+    def ml_dtype(self) -> type | None:
+        """The scalar type with the same element encoding (see ``ml_dtype_name``), or None. Its
+        module loads here, on first use: importing ml_dtypes costs about 0.5 s, which every
+        process (each sweep worker) would pay at start-up for numerics it may never run."""
+        if self.ml_dtype_name is None:
+            return None
+        module, _, name = self.ml_dtype_name.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def bits(self) -> int:
@@ -128,20 +137,20 @@ FORMATS: dict[str, ElementFormat] = {
     f.name: f
     for f in (
         ElementFormat(name="e2m1", ebits=2, mbits=1, bias=1, max_code_mag=0b111,
-                      ml_dtype=ml_dtypes.float4_e2m1fn),
+                      ml_dtype_name="ml_dtypes.float4_e2m1fn"),
         ElementFormat(name="e2m3", ebits=2, mbits=3, bias=1, max_code_mag=0b11111,
-                      ml_dtype=ml_dtypes.float6_e2m3fn),
+                      ml_dtype_name="ml_dtypes.float6_e2m3fn"),
         ElementFormat(name="e3m2", ebits=3, mbits=2, bias=3, max_code_mag=0b11111,
-                      ml_dtype=ml_dtypes.float6_e3m2fn),
+                      ml_dtype_name="ml_dtypes.float6_e3m2fn"),
         # E4M3: S.1111.111 is NaN, so the largest finite magnitude is S.1111.110 = 448.
         ElementFormat(name="e4m3", ebits=4, mbits=3, bias=7, max_code_mag=0b1111110,
-                      ml_dtype=ml_dtypes.float8_e4m3fn),
+                      ml_dtype_name="ml_dtypes.float8_e4m3fn"),
         # E5M2: exponent field 31 is Inf/NaN, as in IEEE; the largest finite is 57344.
         ElementFormat(name="e5m2", ebits=5, mbits=2, bias=15, max_code_mag=0b1111011,
-                      ml_dtype=ml_dtypes.float8_e5m2),
+                      ml_dtype_name="ml_dtypes.float8_e5m2"),
         # MXINT8 saturates symmetrically to +-127/64; -128 is never produced.
         ElementFormat(name="int8", ebits=0, mbits=0, bias=0, max_code_mag=127, is_int=True,
-                      ml_dtype=np.int8, even_mbits=6),
+                      ml_dtype_name="numpy.int8", even_mbits=6),
     )
 }
 

@@ -19,23 +19,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import CoreHandle, EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
+from jalapeno_emu.lazy import LazyModule
 
 from .base import Tolerance
 from .emit import TensorRef, fetch
 
-__all__ = ["ALIGN_BYTES", "APPEND_SRAM_SHARE", "BF16", "BIT_EXACT", "SPREAD_STORES", "CorePlan", "From",
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
+
+__all__ = ["ALIGN_BYTES", "APPEND_SRAM_SHARE", "BIT_EXACT", "SPREAD_STORES", "CorePlan", "From",
            "Job", "aligned_nbytes", "emit_core", "jobs_needed", "packed_view", "plan_core", "prefetch_core",
            "rope_rotate_half", "rotate_half", "rotate_job", "rows_every", "rows_loads", "run_core",
            "split_blocks"]
 
-BF16 = ml_dtypes.bfloat16
 APPEND_SRAM_SHARE = 0.9  # leave a little scratchpad free (allocations are 64-byte aligned)
 ALIGN_BYTES = 64
 BIT_EXACT = Tolerance(atol=0.0, rtol=0.0, why="bit-exact: the same FP32 vector operations in the same "
@@ -54,7 +55,7 @@ def rope_rotate_half(x, cos, sin) -> np.ndarray:
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
     out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.astype(BF16).astype(np.float32)
+    return out.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 # --- tiles ------------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
 from jalapeno_emu.isa.program import Tile
+from jalapeno_emu.lazy import LazyModule
 
 from .attention_decode import (
     TOL,
@@ -134,7 +135,6 @@ from .attention_decode import (
     k_pad,
 )
 from .attention_engine import (
-    _BF16,
     _NBUF,
     _PREFILL_TILES,
     _assign,
@@ -159,6 +159,8 @@ from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 __all__ = [
     "ATTENTION_DECODE",
@@ -418,7 +420,7 @@ class _CacheWriter:
                     b["acc"] = [kb.acc(c, f"p1acc{s}", (d, t)) for s in range(2)]
                 sem["eye"], sem["tr"] = kb.semaphore(f"c{c}.p1eye"), kb.semaphore(f"c{c}.p1tr")
             self.per.append((c, mine, b, sem))
-        self.eye = ctx.const("eye", np.eye(d, dtype=_BF16), "bf16") if token_major else None
+        self.eye = ctx.const("eye", np.eye(d, dtype=ml_dtypes.bfloat16), "bf16") if token_major else None
         self._eye_loaded = False
 
     @property
@@ -777,9 +779,9 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         cos, sin = yarn_cos_sin(ctx, d)
-        ins = {"q": rng.standard_normal((bsz * seq, hq * d)).astype(_BF16),
-               "k": rng.standard_normal((bsz * hkv * d, seq)).astype(_BF16),
-               "v": rng.standard_normal((bsz * seq, hkv * d)).astype(_BF16),
+        ins = {"q": rng.standard_normal((bsz * seq, hq * d)).astype(ml_dtypes.bfloat16),
+               "k": rng.standard_normal((bsz * hkv * d, seq)).astype(ml_dtypes.bfloat16),
+               "v": rng.standard_normal((bsz * seq, hkv * d)).astype(ml_dtypes.bfloat16),
                "rope_cos": cos, "rope_sin": sin,
                "rope_cos_t": np.ascontiguousarray(cos.T), "rope_sin_t": np.ascontiguousarray(sin.T)}
         if plan.sinks:
@@ -787,8 +789,8 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         ins.update(ectx.consts)
         # The prior context (keys already rotated); the chunk's slots and the padding hold
         # garbage that the kernel must overwrite or never let through the mask.
-        ins["k_cache"] = rng.standard_normal((bsz * hkv * d, cap + pad_k)).astype(_BF16)
-        ins["v_cache"] = rng.standard_normal((bsz * hkv * cap, d)).astype(_BF16)
+        ins["k_cache"] = rng.standard_normal((bsz * hkv * d, cap + pad_k)).astype(ml_dtypes.bfloat16)
+        ins["v_cache"] = rng.standard_normal((bsz * hkv * cap, d)).astype(ml_dtypes.bfloat16)
         return ins
 
     def reference(inputs):

@@ -55,7 +55,6 @@ from jalapeno_emu.isa.table import DTYPES
 from jalapeno_emu.lazy import LazyModule, lazy_jit
 
 from .attention_engine import (
-    _BF16,
     _DECODE_TILES,
     _MAX_RING,
     _NBUF,
@@ -81,6 +80,8 @@ from .attention_ref import (
 from .base import KernelBuild, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, mxu_cycles_per_step
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 jax = LazyModule("jax")
 
@@ -581,7 +582,8 @@ def build_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         kt = rng.standard_normal((bsz, hkv, d, cap)).astype(np.float32)
         vv = rng.standard_normal((bsz, hkv, cap, d)).astype(np.float32)
         ins: dict[str, Any] = {
-            "q": rng.standard_normal((bsz * hq, d)).astype(_BF16), "rope_cos": cos, "rope_sin": sin}
+            "q": rng.standard_normal((bsz * hq, d)).astype(ml_dtypes.bfloat16),
+            "rope_cos": cos, "rope_sin": sin}
         if plan.sinks:
             ins["sinks"] = rng.standard_normal((hq, 1)).astype(np.float32)
         ins.update(ectx.consts)
@@ -591,7 +593,7 @@ def build_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
             kc, kscale = kc.reshape(bsz, hkv, d, cap), kscale.reshape(bsz, hkv, d // 32, cap)
             vc, vscale = vc.reshape(bsz, hkv, cap, d), vscale.reshape(bsz, hkv, cap // 32, d)
         else:
-            kc, vc = kt.astype(_BF16), vv.astype(_BF16)
+            kc, vc = kt.astype(ml_dtypes.bfloat16), vv.astype(ml_dtypes.bfloat16)
         if not ps:
             ins["k_cache"] = np.pad(kc.reshape(-1, cap), ((0, 0), (0, pad_k)))
             ins["v_cache"] = vc.reshape(-1, d)

@@ -20,8 +20,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import ml_dtypes
-
 from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
 from jalapeno_emu.isa.loops import issue_in_rounds
 from jalapeno_emu.isa.program import Tile
@@ -29,12 +27,10 @@ from jalapeno_emu.isa.table import DTYPES
 
 from .planning import Budget
 
-_BF16 = ml_dtypes.bfloat16
 _DECODE_TILES = (2048, 1024, 512, 256, 128, 64, 32)
 _PREFILL_TILES = (128, 64, 32)
 _NBUF = 6  # KV slots per core: two tiles in flight per stream, one being multiplied, one spare
 _MAX_RING = 32  # decode keeps up to this many units' queries and outputs without reuse
-
 
 
 # --- the engine ------------------------------------------------------------------------------

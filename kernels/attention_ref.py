@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
@@ -27,8 +26,6 @@ YARN_GPT_OSS = {"rope_theta": 150000.0, "factor": 32.0, "original_max_position_e
                 "beta_fast": 32.0, "beta_slow": 1.0}
 """gpt-oss-120b's ``rope_theta`` and ``rope_scaling``
 (https://huggingface.co/openai/gpt-oss-120b, config.json)."""
-
-_BF16 = ml_dtypes.bfloat16
 
 
 # --- RoPE tables ----------------------------------------------------------------------------

@@ -61,7 +61,6 @@ from jalapeno_emu.lazy import LazyModule
 
 from .append_base import (
     APPEND_SRAM_SHARE,
-    BF16,
     BIT_EXACT,
     CorePlan,
     Job,
@@ -84,6 +83,7 @@ from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, run_emitter
 from .planning import Budget
 from .registry import register
 
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 jnp = LazyModule("jax.numpy")
 
 __all__ = ["KV_APPEND", "kv_append_fp8_reference", "kv_append_reference", "rope_rotate_half"]
@@ -100,12 +100,12 @@ def kv_append_reference(k_new, v_new, rope_cos, rope_sin, k_cache, v_cache, *, b
     items, d = batch * kv_heads, head_dim
     cap = v_cache.shape[0] // items
     k_rows = np.asarray(k_new, np.float32).reshape(items, d)
-    kc = np.array(k_cache, dtype=BF16, copy=True)
-    vc = np.array(v_cache, dtype=BF16, copy=True)
+    kc = np.array(k_cache, dtype=ml_dtypes.bfloat16, copy=True)
+    vc = np.array(v_cache, dtype=ml_dtypes.bfloat16, copy=True)
     cos, sin = np.asarray(rope_cos).reshape(1, -1), np.asarray(rope_sin).reshape(1, -1)
     rotated = rope_rotate_half(k_rows, cos, sin)
-    kc[:, context - 1] = rotated.reshape(items * d).astype(BF16)
-    vc[np.arange(items) * cap + context - 1] = np.asarray(v_new, BF16).reshape(items, d)
+    kc[:, context - 1] = rotated.reshape(items * d).astype(ml_dtypes.bfloat16)
+    vc[np.arange(items) * cap + context - 1] = np.asarray(v_new, ml_dtypes.bfloat16).reshape(items, d)
     return kc, vc
 
 
@@ -405,7 +405,8 @@ def emit_kv_append(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef],
     hbm: dict[str, Any] = {name: t[name].base for name in ("rope_cos", "rope_sin", *names)}
     hbm |= {"k_new": t["k_new"], "v_new": t["v_new"]}
     if g.fp8:
-        hbm["eye"] = t["eye"].base if "eye" in t else ctx.const("eye", np.eye(g.d, dtype=BF16), "bf16")
+        hbm["eye"] = (t["eye"].base if "eye" in t
+                      else ctx.const("eye", np.eye(g.d, dtype=ml_dtypes.bfloat16), "bf16"))
         # a row per 32-token block
         hbm["v_blocks"] = packed_view(hbm["v_cache"], g.items * g.cap // 32, 32 * g.d)
     plans = [_kv_core(kb, c, range(lo, hi), per_job, min(2, n_jobs), g, hbm, keep)
@@ -484,15 +485,15 @@ def build_kv_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
         # from what it would write.
         kc = rng.standard_normal((items * d, cap + pad_k)).astype(np.float32)
         vc = rng.standard_normal((items * cap, d)).astype(np.float32)
-        ins = {"k_new": rng.standard_normal((bsz, hkv * d)).astype(BF16),
-               "v_new": rng.standard_normal((bsz, hkv * d)).astype(BF16),
+        ins = {"k_new": rng.standard_normal((bsz, hkv * d)).astype(ml_dtypes.bfloat16),
+               "v_new": rng.standard_normal((bsz, hkv * d)).astype(ml_dtypes.bfloat16),
                "rope_cos": cos_t[ctx - 1:ctx], "rope_sin": sin_t[ctx - 1:ctx]}
         if not fp8:
-            return ins | {"k_cache": kc.astype(BF16), "v_cache": vc.astype(BF16)}
+            return ins | {"k_cache": kc.astype(ml_dtypes.bfloat16), "v_cache": vc.astype(ml_dtypes.bfloat16)}
         kq, vq = (mx.quantize(jnp.asarray(a), "e4m3", axis=0) for a in (kc, vc))
         return ins | {"k_cache": np.asarray(kq.codes), "k_cache.scales": np.asarray(kq.scales),
                       "v_cache": np.asarray(vq.codes), "v_cache.scales": np.asarray(vq.scales),
-                      "eye": np.eye(d, dtype=BF16)}
+                      "eye": np.eye(d, dtype=ml_dtypes.bfloat16)}
 
     dims = {"batch": bsz, "context": ctx, "kv_heads": hkv, "head_dim": d}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
@@ -20,6 +19,8 @@ from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 __all__ = ["EMBEDDING", "build_embedding", "embedding_tensors", "emit_embedding"]
 

@@ -38,7 +38,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.errors import InvalidArgumentError
@@ -53,6 +52,8 @@ from .base import ShapeKey, Tolerance
 from .emit import EmitCtx, Ready, TensorRef, fetch
 from .planning import DoesNotFit
 
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
+
 jnp = LazyModule("jax.numpy")
 
 __all__ = ["BLOCK_TOKENS", "COMMON_SHAPE_KEYS", "SLACK_BYTES", "TOLERANCE", "Flash", "FlashTile", "GemmJob",
@@ -62,7 +63,6 @@ __all__ = ["BLOCK_TOKENS", "COMMON_SHAPE_KEYS", "SLACK_BYTES", "TOLERANCE", "Fla
 SLACK_BYTES = 8192  # bytes kept free for allocation alignment (64 B per allocation)
 BLOCK_TOKENS = 32  # tokens per matrix-unit contraction block: cache capacities and key tiles come in these
 _PAD_GARBAGE = 1e4  # magnitude of the test inputs' padding rows: large, finite, random signs
-_BF16 = ml_dtypes.bfloat16
 
 
 def latent_cache_capacity(tokens: int, capacity: int = 0, what: str = "context") -> int:
@@ -227,14 +227,14 @@ def make_inputs_of(seed: int, q_rows: int, cache: tuple[int, int, int], heads: i
     filled with +-_PAD_GARBAGE, which wrecks the result unless the kernel ignores them."""
     rng = np.random.default_rng(seed)
     batch, tokens, cap = cache
-    q = rng.standard_normal((q_rows, nope + rope)).astype(_BF16)
+    q = rng.standard_normal((q_rows, nope + rope)).astype(ml_dtypes.bfloat16)
     kv = rng.standard_normal((batch, cap, rank + rope))
     # Weights ~ N(0, 1/rank) so decompressed keys and values are O(1), like a trained layer's.
-    w = (rng.standard_normal((heads * (nope + v), rank)) / math.sqrt(rank)).astype(_BF16)
+    w = (rng.standard_normal((heads * (nope + v), rank)) / math.sqrt(rank)).astype(ml_dtypes.bfloat16)
     # The padding's own generator: a full cache draws exactly the values it always did.
     signs = np.random.default_rng([seed, 1]).choice((-1.0, 1.0), size=kv[:, tokens:].shape)
     kv[:, tokens:] = _PAD_GARBAGE * signs
-    return {"q": q, "kv_cache": kv.reshape(batch * cap, rank + rope).astype(_BF16), "w_kv_b": w}
+    return {"q": q, "kv_cache": kv.reshape(batch * cap, rank + rope).astype(ml_dtypes.bfloat16), "w_kv_b": w}
 
 
 TOLERANCE = Tolerance(
@@ -425,7 +425,6 @@ class Flash:
         return 2 * rows * tcols * 4 + 2 * rows * dv * 4
 
 
-
 # --- shared helpers: views, fetches, tile choice --------------------------------------------
 def rows_of(t: Tile, first: int, count: int, every: int) -> Tile:
     """``count`` rows of HBM/SRAM tile ``t`` starting at ``first``, taking every ``every``-th row."""
@@ -546,7 +545,6 @@ class LatentDims:
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
         return self.h, self.r, self.p, self.n, self.v
-
 
 
 def split_ranges(span: int, splits: int) -> list[tuple[int, int]]:

@@ -51,7 +51,6 @@ from jalapeno_emu.lazy import LazyModule
 
 from .append_base import (
     APPEND_SRAM_SHARE,
-    BF16,
     BIT_EXACT,
     CorePlan,
     From,
@@ -73,6 +72,8 @@ from .mla import latent_cache_capacity
 from .planning import Budget
 from .registry import register
 
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
+
 jnp = LazyModule("jax.numpy")
 
 __all__ = ["MLA_APPEND", "YARN_DEEPSEEK_V3", "deepseek_yarn_cos_sin", "mla_append_reference",
@@ -81,7 +82,6 @@ __all__ = ["MLA_APPEND", "YARN_DEEPSEEK_V3", "deepseek_yarn_cos_sin", "mla_appen
 YARN_DEEPSEEK_V3 = {"rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 """DeepSeek-V3/R1's ``rope_theta`` and ``rope_scaling`` (YaRN), the keys of HF's config."""
-
 
 
 # --- RoPE tables and references ---------------------------------------------------------------
@@ -166,15 +166,16 @@ def mla_append_reference(q, kv_a, rope_cos, rope_sin, kv_cache, *, batch: int, c
     sin = np.asarray(rope_sin, np.float32).reshape(t, -1)
     qq = np.asarray(q, np.float32).reshape(batch, t, q_heads, n + rope_dim)
     q_pe = rope_deinterleaved(qq[..., n:], cos[None, :, None], sin[None, :, None])
-    q_rot = np.concatenate([qq[..., :n], q_pe], axis=-1).astype(BF16).reshape(batch * t * q_heads, -1)
+    q_rot = (np.concatenate([qq[..., :n], q_pe], axis=-1).astype(ml_dtypes.bfloat16)
+             .reshape(batch * t * q_heads, -1))
     kv = np.asarray(kv_a, np.float32).reshape(batch, t, r + rope_dim)
     rows = np.concatenate([kv[..., :r], rope_deinterleaved(kv[..., r:], cos[None], sin[None])], axis=-1)
     cap = latent_cache_capacity(context, capacity)
     if np.shape(kv_cache) != (batch * cap, r + rope_dim):
         raise InvalidArgumentError(f"kv_cache has shape {np.shape(kv_cache)}; batch={batch} sequences of "
                                    f"cap={cap} rows need ({batch * cap}, {r + rope_dim})")
-    cache = np.array(kv_cache, dtype=BF16, copy=True).reshape(batch, cap, r + rope_dim)
-    cache[:, context - t:context] = rows.astype(BF16)
+    cache = np.array(kv_cache, dtype=ml_dtypes.bfloat16, copy=True).reshape(batch, cap, r + rope_dim)
+    cache[:, context - t:context] = rows.astype(ml_dtypes.bfloat16)
     return q_rot, cache.reshape(np.shape(kv_cache))
 
 
@@ -710,10 +711,10 @@ def build_mla_append(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     def make_inputs(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         cos_t, sin_t = deepseek_yarn_cos_sin(C, P)
-        return {"q": rng.standard_normal((B * T * H, wq)).astype(BF16),
-                "kv_a": rng.standard_normal((B * T, wk)).astype(BF16),
+        return {"q": rng.standard_normal((B * T * H, wq)).astype(ml_dtypes.bfloat16),
+                "kv_a": rng.standard_normal((B * T, wk)).astype(ml_dtypes.bfloat16),
                 "rope_cos": cos_t[C - T:C], "rope_sin": sin_t[C - T:C],
-                "kv_cache": rng.standard_normal((B * cap, wk)).astype(BF16)}
+                "kv_cache": rng.standard_normal((B * cap, wk)).astype(ml_dtypes.bfloat16)}
 
     def reference(inputs):
         q_rot, cache = mla_append_reference(inputs["q"], inputs["kv_a"], inputs["rope_cos"],

@@ -73,13 +73,13 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.isa.builder import KernelBuilder
+from jalapeno_emu.lazy import LazyModule
 
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, TensorRef, run_emitter
@@ -92,6 +92,8 @@ from .moe_slots import MAX_TOKENS, MoePlan, emit_slots, plan_slots, slot_tensors
 from .moe_slots_ref import slots_reference
 from .planning import Budget, DoesNotFit, first_fitting
 from .registry import register
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 __all__ = ["MOE", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "GatherPlan", "MoePlan", "PanelPlan", "emit_moe",
            "expected_distinct_experts", "grouping_of", "make_moe_inputs", "moe_reference", "moe_tensors",

@@ -19,7 +19,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
@@ -31,6 +30,8 @@ from jalapeno_emu.lazy import LazyModule, lazy_jit
 
 from .base import TensorSpec
 from .moe_routing import RoutingDims
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")

@@ -35,12 +35,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu import mx
 from jalapeno_emu.isa.builder import MXTensor
 from jalapeno_emu.isa.program import Tile
+from jalapeno_emu.lazy import LazyModule
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 __all__ = ["ChunkViews", "chunk_bytes", "chunk_views", "gu_bytes", "pack_experts", "router_logical",
            "router_panels", "split_layout", "unpack_expert_biases", "unpack_experts"]

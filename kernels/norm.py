@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
@@ -29,6 +28,8 @@ from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, Piece, TensorRef, fetch, run_emitter
 from .planning import Budget, DoesNotFit
 from .registry import register
+
+ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
 
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")

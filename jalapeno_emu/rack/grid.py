@@ -61,6 +61,7 @@ class LazyGrid1D:
         self.grid, self.f = grid, f
         self._grid = [float(g) for g in grid]
         self.values: dict[int, float] = {}
+        self._answers: dict[float, float] = {}  # a sweep asks the same few thousand xs again and again
 
     def point(self, i: int) -> float:
         """The figure at grid point ``i`` (computed on first use)."""
@@ -71,11 +72,15 @@ class LazyGrid1D:
 
     def __call__(self, x: float) -> float:
         """The figure at ``x`` (clamped to the grid)."""
-        i0, w0 = bracket1(self._grid, float(x))
-        lo = self.point(i0)
-        if w0 == 0.0:
-            return lo
-        return lo + w0 * (self.point(i0 + 1) - lo)
+        x = float(x)
+        v = self._answers.get(x)
+        if v is None:
+            i0, w0 = bracket1(self._grid, x)
+            v = self.point(i0)
+            if w0 != 0.0:
+                v = v + w0 * (self.point(i0 + 1) - v)
+            self._answers[x] = v
+        return v
 
 
 class LazyGrid2D:

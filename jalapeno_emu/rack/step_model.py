@@ -278,6 +278,7 @@ class RackStepModel:
             )
             self._moe_pieces: dict[int, tuple[float, bool]] = {}
             self._moe_refused: set[int] = set()  # batches the kernel refused (not monotone in tokens)
+            self._moe_answers: dict[float, float] = {}  # steps repeat their received token counts
 
     def _figures(self, launches: Sequence[Any], layer: int | None = None,
                  step: Step | None = None) -> np.ndarray:
@@ -373,6 +374,12 @@ class RackStepModel:
         kernel refuses runs as equal pieces, each hitting its own distinct experts."""
         if received <= 0:
             return 0.0
+        v = self._moe_answers.get(received)
+        if v is None:
+            v = self._moe_answers[received] = self._moe_compute_s(received)
+        return v
+
+    def _moe_compute_s(self, received: float) -> float:
         pieces = 1
         while True:
             x = max(1.0, received / pieces)

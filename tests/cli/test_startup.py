@@ -38,13 +38,19 @@ def test_timing_a_layer_on_the_kernels_loads_no_jax():
         "load_preset('jalapeno-v1'), fusion='step')\n"
         "assert t.time_s > 0")
     assert "jax" not in loaded
+    # Nor ml_dtypes (0.5 s a process, each sweep worker's): formats and kernels load it on use.
+    assert "ml_dtypes" not in loaded
 
 
 def test_mx_formats_load_without_jax_and_the_rest_on_first_use():
     loaded = _modules_after("import jalapeno_emu.mx as mx\n"
                             "assert mx.element_format('fp4').bits == 4\n"
                             "assert 'quantize' in dir(mx)")
-    assert "jax" not in loaded
+    assert "jax" not in loaded and "ml_dtypes" not in loaded
+    loaded = _modules_after("import jalapeno_emu.mx as mx\n"
+                            "assert mx.element_format('fp4').ml_dtype.__name__ == 'float4_e2m1fn'\n"
+                            "assert mx.element_format('int8').ml_dtype.__name__ == 'int8'")
+    assert "ml_dtypes" in loaded
     # a submodule loaded first must not take the place of the function of its name
     loaded = _modules_after("import jalapeno_emu.mx.quantize, jalapeno_emu.mx.matmul\n"
                             "import jalapeno_emu.mx as mx\n"

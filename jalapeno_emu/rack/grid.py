@@ -206,7 +206,8 @@ class LazyGrid2D:
         attention of a chunk split into up to 64 sub-chunks, priced at every mixed step).
 
         Args:
-            x: within the grid (``xs[0] <= x <= xs[-1]``: no extrapolation).
+            x: the chunk size; within the grid the compiled loop runs (a prefill chunk's always
+                is), beyond its last x the extrapolation is priced one y at a time.
             first_y, dy: the run's first y and its step; count: its length (>= 1).
         """
         if x > self._xs[-1]:  # beyond the grid: the extrapolation, one y at a time

@@ -187,18 +187,11 @@ class LazyGrid2D:
                 (hi[2] - lo[2]) / dx / self.flops_per_s,
             )
             return hi[0] + (x - self._xs[top]) * slope
-        # Within the grid only the time is read: its arithmetic from _column1, y bracketed once.
         i0, w0 = bracket1(self._xs, float(x))
-        j0, w = bracket1(self._ys, y)
-        lo = self._point_floats(i0, j0)[0]
-        if w != 0.0:
-            lo = lo + w * (self._point_floats(i0, j0 + 1)[0] - lo)
+        lo = self._column1(i0, y)[0]
         if w0 == 0.0:
             return lo
-        hi = self._point_floats(i0 + 1, j0)[0]
-        if w != 0.0:
-            hi = hi + w * (self._point_floats(i0 + 1, j0 + 1)[0] - hi)
-        return lo + w0 * (hi - lo)
+        return lo + w0 * (self._column1(i0 + 1, y)[0] - lo)
 
     def run_sum(self, x: float, first_y: float, dy: float, count: int) -> float:
         """The times at ``x`` for ys ``first_y + dy * j``, j = 0 .. count-1, summed in order of j

@@ -88,7 +88,8 @@ from .moe_gather import GatherPlan, emit_gather, gather_reference, gather_tensor
 from .moe_pack import pack_experts, router_panels, unpack_expert_biases, unpack_experts
 from .moe_panel import PanelPlan, emit_panel, panel_reference, panel_tensors, plan_panel
 from .moe_routing import check_routing_keys
-from .moe_slots import MAX_TOKENS, MoePlan, emit_slots, plan_slots, slot_tensors
+from .moe_slots import emit_slots
+from .moe_slots_plan import MAX_TOKENS, MoePlan, plan_slots, slot_tensors
 from .moe_slots_ref import slots_reference
 from .planning import Budget, DoesNotFit, first_fitting
 from .registry import register

@@ -29,7 +29,7 @@ from .moe_base import (
 )
 from .moe_pack import router_logical, unpack_expert_biases, unpack_experts
 from .moe_routing import group_reference, route_reference
-from .moe_slots import MoePlan
+from .moe_slots_plan import MoePlan
 
 jax = LazyModule("jax")
 jnp = LazyModule("jax.numpy")

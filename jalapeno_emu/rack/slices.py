@@ -86,7 +86,7 @@ ATTENTION_LABELS = frozenset({"kv_append", "attention", "mla_append"})
 ACT_BYTES = 2
 """Hidden states travel between chips as BF16."""
 SLOT_TOKENS = 128
-"""Tokens up to which the moe kernel may serve expert slots (``kernels.moe_slots.MAX_TOKENS``: each
+"""Tokens up to which the moe kernel may serve expert slots (``kernels.moe_slots_plan.MAX_TOKENS``: each
 slot's token list fits one matrix-unit row tile); without a chip spec, the routed launch assumes
 the slot program up to this many tokens."""
 DENSE_PART_CONTEXT = 32

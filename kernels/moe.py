@@ -84,7 +84,9 @@ from jalapeno_emu.lazy import LazyModule
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec, Tolerance
 from .emit import EmitCtx, Emitter, Out, TensorRef, run_emitter
 from .moe_base import SWIGLU_ALPHA, SWIGLU_LIMIT, MoeLayout, expected_distinct_experts
-from .moe_gather import GatherPlan, emit_gather, gather_reference, gather_tensors, plan_gather
+from .moe_gather import emit_gather
+from .moe_gather_plan import GatherPlan, gather_tensors, plan_gather
+from .moe_gather_ref import gather_reference
 from .moe_pack import pack_experts, router_panels, unpack_expert_biases, unpack_experts
 from .moe_panel import PanelPlan, emit_panel, panel_reference, panel_tensors, plan_panel
 from .moe_routing import check_routing_keys

@@ -17,9 +17,10 @@ flight, each loaded in two pieces: its gate|up segment, which the gate|up matmul
 the down projection and biases. After each core's first routed gate|up segment the queue waits
 until every core has routed, so all of the chip's first segments reach the HBM channels before
 any core's later pieces. The matrix unit runs gate|up of item i+1 while the vector unit computes
-item i's activation. Two scratchpad regions are reused over time (x and the router panel, then the reduction or
-combine buffers; weight buffers, then the partial). The constants the kernel needs (ones, zeros,
-1e-20, id sequences) are made from x with ``vec.clamp`` lo = hi (``moe_routing``).
+item i's activation. Two scratchpad regions are reused over time (x and the router panel, then
+the reduction or combine buffers; weight buffers, then the partial). The constants the kernel
+needs (ones, zeros, 1e-20, id sequences) are made from x with ``vec.clamp`` lo = hi
+(``moe_routing``).
 """
 
 from __future__ import annotations

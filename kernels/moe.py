@@ -88,7 +88,9 @@ from .moe_gather import emit_gather
 from .moe_gather_plan import GatherPlan, gather_tensors, plan_gather
 from .moe_gather_ref import gather_reference
 from .moe_pack import pack_experts, router_panels, unpack_expert_biases, unpack_experts
-from .moe_panel import PanelPlan, emit_panel, panel_reference, panel_tensors, plan_panel
+from .moe_panel import emit_panel
+from .moe_panel_plan import PanelPlan, panel_tensors, plan_panel
+from .moe_panel_ref import panel_reference
 from .moe_routing import check_routing_keys
 from .moe_slots import emit_slots
 from .moe_slots_plan import MAX_TOKENS, MoePlan, plan_slots, slot_tensors

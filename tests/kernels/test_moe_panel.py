@@ -8,7 +8,7 @@ from jalapeno_emu.chip import load_preset
 from jalapeno_emu.kernels import get_kernel, run_kernel
 from jalapeno_emu.kernels.moe import MoePlan, grouping_of, plan_moe
 from jalapeno_emu.kernels.moe_gather_plan import GatherPlan
-from jalapeno_emu.kernels.moe_panel import PanelPlan, _sram_bytes
+from jalapeno_emu.kernels.moe_panel_plan import PanelPlan, _sram_bytes
 from jalapeno_emu.kernels.planning import DoesNotFit
 
 

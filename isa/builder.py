@@ -25,10 +25,8 @@ import functools
 import os
 import sys
 import weakref
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
@@ -36,8 +34,20 @@ from jalapeno_emu.errors import CapacityExceeded, IllegalInstruction, InvalidArg
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Loop, Program, Tile
 from jalapeno_emu.mx.formats import canonical_format, describe_formats
 
-from .legality import check_instruction, cores_only_compared_with_cores, integer_points, operands_read
+from .legality import check_instruction
 from .loops import loops_from_iterations
+from .operands import (
+    BINARY_OPS,
+    ISSUE_LAYOUTS,
+    UNARY_OPS,
+    IssueLayout,
+    MXTensor,
+    Semaphore,
+    bind_operands,
+    bind_short_form,
+    operation_of,
+    unknown_instruction_message,
+)
 from .table import DTYPES, TABLE, InstrSpec, Space
 
 __all__ = ["CoreHandle", "DmaQueues", "EngineHandle", "KernelBuilder", "MXTensor", "Region", "Semaphore",
@@ -119,59 +129,10 @@ def _source_of_caller() -> str:
     return _site(frame, label) if label is not None else _caller_source()
 
 
-@dataclass(frozen=True)
-class Semaphore:
-    """A semaphore handle: its id and name."""
-
-    id: int
-    name: str
-
-    def __index__(self) -> int:
-        return self.id
-
-
-@dataclass(frozen=True, slots=True)
-class MXTensor:
-    """An MX tensor in memory: element codes and their E8M0 scales, blocked by 32 along ``axis``.
-
-    Attributes:
-        codes: [R, C] tile of element codes (fp4 packed two per byte, fp8 one per byte).
-        scales: [R, C/32] (axis 1) or [R/32, C] (axis 0) tile of E8M0 bytes.
-        axis: the blocked axis.
-    """
-
-    codes: Tile
-    scales: Tile
-    axis: int
-
-    def sub(self, row: int, col: int, rows: int, cols: int) -> MXTensor:
-        """The [rows, cols] block-aligned sub-tensor at element [row, col], with its scales."""
-        if self.axis == 1:
-            if col % 32 or cols % 32:
-                raise IllegalInstruction(f"columns {col}..{col + cols} of an MX tensor blocked along "
-                                         "columns must be multiples of 32")
-            scales = self.scales.sub(row, col // 32, rows, cols // 32)
-        else:
-            if row % 32 or rows % 32:
-                raise IllegalInstruction(f"rows {row}..{row + rows} of an MX tensor blocked along "
-                                         "rows must be multiples of 32")
-            scales = self.scales.sub(row // 32, col, rows // 32, cols)
-        out = _new(MXTensor)  # the fields of a valid tensor's parts: set, not checked again
-        _SET_MX_CODES(out, self.codes.sub(row, col, rows, cols))
-        _SET_MX_SCALES(out, scales)
-        _SET_MX_AXIS(out, self.axis)
-        return out
-
-
-_new = object.__new__
-_SET_MX_CODES, _SET_MX_SCALES, _SET_MX_AXIS = (
-    MXTensor.__dict__[name].__set__ for name in ("codes", "scales", "axis"))
 
 
 _MATMUL_OPERANDS = ("acc", "a", "b", "a_scale", "b_scale", "mode")
 _getframe = sys._getframe
-_UNARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.unary")].operand("op").choices
-_BINARY_OPS = TABLE[[s.mnemonic for s in TABLE].index("vec.binary")].operand("op").choices
 
 
 class EngineHandle:
@@ -195,7 +156,7 @@ class EngineHandle:
         row = next((s for s in TABLE if s.mnemonic == mnemonic), None)
         if row is None:
             text = str(mnemonic)
-            op = _operation_of(TABLE, text.split(".")[-1])  # "vec.exp": an operation of vec.unary
+            op = operation_of(TABLE, text.split(".")[-1])  # "vec.exp": an operation of vec.unary
             near = ([f'{op.mnemonic} with {op.operands[0].name}="{text.split(".")[-1]}"'] if op
                     else difflib.get_close_matches(text, [s.mnemonic for s in TABLE], n=3))
             raise IllegalInstruction(f"unknown instruction {mnemonic!r}"
@@ -211,7 +172,7 @@ class EngineHandle:
         engine = self.__dict__.get("engine")
         if name in rows:
             row = rows[name]
-            layout = _LAYOUTS[row.mnemonic]
+            layout = ISSUE_LAYOUTS[row.mnemonic]
             n_operands = len(layout.names)
             pads = layout.pads
 
@@ -223,27 +184,27 @@ class EngineHandle:
                 source = hit[1] if hit is not None and hit[0] is code else _source_of_caller()
                 if k or len(a) != n_operands:
                     tail = None if k else pads.get(len(a))
-                    a = a + tail if tail is not None else _bind(engine, row, layout, a, k, source)
+                    a = a + tail if tail is not None else bind_operands(engine, row, layout, a, k, source)
                 return layout.issue(kb, engine, a, source)
-        elif name in _UNARY_OPS and "unary" in rows:
-            unary = _LAYOUTS[rows["unary"].mnemonic]
+        elif name in UNARY_OPS and "unary" in rows:
+            unary = ISSUE_LAYOUTS[rows["unary"].mnemonic]
 
             # *a rather than (dst, src): a wrong call then fails as a project error that names
             # the instruction, not as a TypeError about this closure; the check costs one len().
             def method(*a: Any, **k: Any) -> Instruction:
                 if k or len(a) != 2:
-                    a = _bind_short(engine, unary, name, a, k, _source_of_caller())
+                    a = bind_short_form(engine, unary, name, a, k, _source_of_caller())
                 frame = _getframe(1)
                 code = frame.f_code
                 hit = _SITES.get((id(code), frame.f_lasti))
                 source = hit[1] if hit is not None and hit[0] is code else _source_of_caller()
                 return unary.issue(kb, engine, (name, *a), source)
-        elif name in _BINARY_OPS and "binary" in rows:
-            binary = _LAYOUTS[rows["binary"].mnemonic]
+        elif name in BINARY_OPS and "binary" in rows:
+            binary = ISSUE_LAYOUTS[rows["binary"].mnemonic]
 
             def method(*a: Any, **k: Any) -> Instruction:
                 if k or len(a) != 3:
-                    a = _bind_short(engine, binary, name, a, k, _source_of_caller())
+                    a = bind_short_form(engine, binary, name, a, k, _source_of_caller())
                 frame = _getframe(1)
                 code = frame.f_code
                 hit = _SITES.get((id(code), frame.f_lasti))
@@ -254,7 +215,7 @@ class EngineHandle:
             # handle: the plain error, at once.
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         else:
-            raise AttributeError(_unknown_instruction(engine, rows, name))
+            raise AttributeError(unknown_instruction_message(engine, rows, name))
         kb = self._kb
         self.__dict__[name] = method
         return method
@@ -265,7 +226,7 @@ class EngineHandle:
         a_codes, a_scale = (a.codes, a.scales) if isinstance(a, MXTensor) else (a, None)
         b_codes, b_scale = (b.codes, b.scales) if isinstance(b, MXTensor) else (b, None)
         row = self._rows["matmul"]
-        layout = _LAYOUTS.get(row.mnemonic)
+        layout = ISSUE_LAYOUTS.get(row.mnemonic)
         if layout is not None and layout.row is row and layout.names == _MATMUL_OPERANDS:
             # every operand given in table order: what binding them by name would produce
             return layout.issue(self._kb, self.engine, (acc, a_codes, b_codes, a_scale, b_scale, mode),
@@ -377,7 +338,7 @@ class Region:
     def _first_use(self, engine: Engine) -> None:
         """Before the engine's first instruction in the region: wait for every fence."""
         self.engines[engine] = None
-        wait = _LAYOUTS["sem.wait"]
+        wait = ISSUE_LAYOUTS["sem.wait"]
         covered = self._covered
         for f in self.fences:
             if f not in covered:  # (a fence added later may imply an earlier one)
@@ -392,7 +353,7 @@ class Region:
         if self.engines:
             if self.kb._region is not self:
                 raise InvalidArgumentError(f"fences added to region {self.name!r} while it is not entered")
-            wait = _LAYOUTS["sem.wait"]
+            wait = ISSUE_LAYOUTS["sem.wait"]
             for engine in self.engines:
                 for sem, value in new:
                     wait.issue(self.kb, engine, (sem, value), f"{self.name}:fence")
@@ -405,7 +366,7 @@ class Region:
             return self.done
         with self:
             sem = self.kb.semaphore("done")
-            signal = _LAYOUTS["sem.signal"]
+            signal = ISSUE_LAYOUTS["sem.signal"]
             for engine in list(self.engines):
                 signal.issue(self.kb, engine, (sem.id, 1), f"{self.name}:done")
         self.done = (sem, len(self.engines))
@@ -583,11 +544,11 @@ class KernelBuilder:
 
     def _issue(self, engine: Engine, row: InstrSpec, args: tuple, kwargs: dict,
                source: str) -> Instruction:
-        layout = _LAYOUTS.get(row.mnemonic)
+        layout = ISSUE_LAYOUTS.get(row.mnemonic)
         if layout is None or layout.row is not row:
-            layout = _Layout(row)
+            layout = IssueLayout(row)
         if kwargs or len(args) != len(layout.names):
-            args = _bind(engine, row, layout, args, kwargs, source)
+            args = bind_operands(engine, row, layout, args, kwargs, source)
         return layout.issue(self, engine, args, source)
 
     def _check_new(self, ins: Instruction, key: tuple | None) -> None:
@@ -675,250 +636,3 @@ class KernelBuilder:
                   ("buffers", tuple(self._buffers.items())),
                   ("regions", regions)),
         )
-
-
-_MISSING = object()
-_U64_MAX = 2**64 - 1  # binary field widths (isa/encoding.py), checked by legality
-_U32_MAX = 2**32 - 1
-_I32_MAX = 2**31 - 1
-
-
-def _usage(row: InstrSpec) -> str:
-    """How ``row`` is called: ``vec.unary(op, dst, src)``, ``sem.signal(sem, count=1)``."""
-    operands = (op.name if not op.optional else f"{op.name}={op.default!r}" for op in row.operands)
-    return f"{row.mnemonic}({', '.join(operands)})"
-
-
-def _bind(engine: Engine, row: InstrSpec, layout: _Layout, args: tuple, kwargs: dict,
-          source: str) -> list:
-    """Operand values in table order from positional and keyword arguments (_MISSING where absent)."""
-    names = layout.names
-    if len(args) > len(names):
-        raise IllegalInstruction(f"{row.mnemonic} takes at most {len(names)} operands, "
-                                 f"got {len(args)}: {_usage(row)}", engine=str(engine), source=source)
-    values = list(args) + [_MISSING] * (len(names) - len(args))
-    for name, value in kwargs.items():
-        if name not in names:
-            raise IllegalInstruction(f"{row.mnemonic} has no operand {name!r}; it takes {names}: "
-                                     f"{_usage(row)}", engine=str(engine), source=source)
-        i = names.index(name)
-        if values[i] is not _MISSING:
-            raise IllegalInstruction(f"operand {name!r} given twice: {_usage(row)}", engine=str(engine),
-                                     source=source)
-        values[i] = value
-    return values
-
-
-def _bind_short(engine: Engine, layout: _Layout, op: str, args: tuple, kwargs: dict,
-                source: str) -> tuple:
-    """The operands after ``op`` of a short form (``vpu.exp(dst, src)`` is
-    ``vec.unary("exp", dst, src)``) from positional and keyword arguments, for the calls the
-    short form's fast path does not take; a wrong call raises naming both spellings."""
-    row, names = layout.row, layout.names[1:]
-    values = list(args[:len(names)]) + [_MISSING] * (len(names) - len(args))
-    problem = f"got {len(args)} operands" if len(args) > len(names) else None
-    for name, value in kwargs.items():
-        if problem is not None:
-            break
-        if name not in names:
-            problem = (f"the operation is {op!r} already" if name == row.operands[0].name
-                       else f"it has no operand {name!r}")
-        elif values[names.index(name)] is not _MISSING:
-            problem = f"operand {name!r} given twice"
-        else:
-            values[names.index(name)] = value
-    missing = [n for n, v in zip(names, values, strict=True) if v is _MISSING]
-    if problem is None and missing:
-        problem = f"operand {', '.join(map(repr, missing))} missing"
-    if problem is not None:
-        listed = ", ".join(names)
-        raise IllegalInstruction(
-            f'{engine.unit}.{op}({listed}), short for {row.mnemonic}("{op}", {listed}): {problem}',
-            engine=str(engine), source=source)
-    return tuple(values)
-
-
-def _operation_of(rows: Any, name: str) -> InstrSpec | None:
-    """The row among ``rows`` whose first operand is an operation ``name`` can be (``sum`` of
-    ``vec.reduce``), or None."""
-    for row in rows:
-        first = row.operands[0] if row.operands else None
-        if first is not None and first.kind == "enum" and name in first.choices:
-            return row
-    return None
-
-
-def _unknown_instruction(engine: Engine, rows: dict[str, InstrSpec], name: str) -> str:
-    """The message for ``engine.<name>`` that is no instruction of the engine: what to write
-    instead when ``name`` is an operation of one (``vpu.sum`` is ``reduce("sum", dst, src)``) or
-    an instruction of another unit, else the close spellings. Only the error path pays for it."""
-    text = f"engine {engine} has no instruction {name!r}"
-    row = _operation_of(rows.values(), name)
-    if row is not None:
-        rest = ", ".join(op.name for op in row.operands[1:])
-        short = row.mnemonic.split(".")[-1]
-        return f'{text}; {name!r} is an operation of {row.mnemonic}: write {short}("{name}", {rest})'
-    units = sorted({r.unit for r in TABLE if r.mnemonic.split(".")[-1] == name
-                    and r.unit not in (engine.unit, "any")})
-    if units:
-        where = " or ".join("core.dma[q]" if u == "dma" else "kb.link" if u == "link" else f"core.{u}"
-                            for u in units)
-        return f"{text}; {name} is an instruction of the {'/'.join(units)} unit: {where}.{name}(...)"
-    names = [*rows, "issue"]
-    names += [*_UNARY_OPS] if "unary" in rows else []
-    names += [*_BINARY_OPS] if "binary" in rows else []
-    names += ["matmul_mx"] if "matmul" in rows else []
-    near = difflib.get_close_matches(name, names, n=3)
-    if near:
-        return f"{text}; did you mean {' or '.join(near)}? It takes {sorted(rows)}"
-    return f"{text}; it takes {sorted(rows)}"
-
-
-def _operand(layout: _Layout, i: int, v: Any, engine: Engine, source: str, base: int) -> tuple[Any, Any]:
-    """Operand ``i``'s value as recorded (default filled in, a Semaphore as its id) and its part of
-    the legality key (None: check the instruction on its own); tile cores are keyed relative to
-    ``base``. The generated issue functions call this for any value that is not of the type the
-    operand usually takes."""
-    row, name = layout.row, layout.names[i]
-    if type(v) is Tile:
-        c, o, r, cl, st = v.core, v.offset, v.rows, v.cols, v.stride
-        if type(c) is type(o) is type(r) is type(cl) is type(st) is int and o <= _U64_MAX \
-                and 0 <= c <= _U32_MAX:
-            rel = c - base if name in layout.cores_read else None
-            return v, (id(v.space), rel, c == 0, v.dtype, r, cl, st, o if layout.with_offset else None)
-        return v, None
-    if v is _MISSING:
-        v = layout.defaults[i]
-        if v is _MISSING:
-            raise IllegalInstruction(f"{row.mnemonic} needs operand {name!r}: {_usage(row)}",
-                                     engine=str(engine), source=source)
-    cls = type(v)
-    if cls is Semaphore:
-        v = v.id
-        cls = type(v)
-    elif cls is MXTensor:
-        raise IllegalInstruction(f"operand {name!r} got an MXTensor; pass .codes/.scales or use matmul_mx",
-                                 engine=str(engine), source=source)
-    points = layout.points[i]
-    if cls is int and points is not None:
-        j = bisect_left(points, v)
-        return v, 2 * j + (j < len(points) and points[j] == v)
-    if cls is str or cls is int:
-        return v, v
-    return v, (cls, v)
-
-
-def _issue_source(layout: _Layout) -> str:
-    """Python source of the row's issue function: ``_operand`` unrolled over the operands, with
-    the common type of each operand tested first, then the instruction and its legality check."""
-    lines = ["def issue(kb, engine, values, source):",
-             "    reg = kb._region",
-             "    if reg is not None and reg._seen.get(id(engine)) is not engine:",
-             "        reg._enter(engine)",
-             f"    {', '.join(f'v{i}' for i in range(len(layout.names)))}, = values",
-             "    base = engine.core"]
-    if layout.relative_cores:
-        lines += ["    if type(base) is int and 0 <= base <= I32:",
-                  "        ekey = True",
-                  "    else:",
-                  "        ekey, base = (type(base), base), 0"]
-    else:
-        lines += ["    ekey, base = (type(base), base), 0"]
-    for i, op in enumerate(layout.row.operands):
-        v, k = f"v{i}", f"k{i}"
-        slow = f"        {v}, {k} = _operand(layout, {i}, {v}, engine, source, base)"
-        if op.kind == "tile":
-            offset = "o" if layout.with_offset else "None"
-            rel = "c - base" if op.name in layout.cores_read else "None"
-            lines += [f"    if type({v}) is Tile:",
-                      f"        c, o, r, cl, st = {v}.core, {v}.offset, {v}.rows, {v}.cols, {v}.stride",
-                      "        if type(c) is type(o) is type(r) is type(cl) is type(st) is int and o <= U64 "
-                      "and 0 <= c <= U32:",
-                      f"            {k} = (id({v}.space), {rel}, c == 0, {v}.dtype, r, cl, st, {offset})",
-                      "        else:",
-                      f"            {k} = None"]
-        elif op.kind in ("imm", "sem") and layout.points[i] is not None:
-            lines += [f"    if type({v}) is Semaphore and type({v}.id) is int:",
-                      f"        {v} = {v}.id",
-                      f"    if type({v}) is int:",
-                      f"        j = bisect_left(P{i}, {v})",
-                      f"        {k} = 2 * j + (j < {len(layout.points[i])} and P{i}[j] == {v})"]
-        else:
-            common = {"enum": "str", "label": "str", "fimm": "float"}.get(op.kind, "int")
-            lines += [f"    if type({v}) is {common}:",
-                      f"        {k} = {v}" if common != "float" else f"        {k} = (float, {v})"]
-        lines += ["    else:", slow]
-    n = len(layout.names)
-    args = ", ".join(f"({name!r}, v{i})" for i, name in enumerate(layout.names))
-    keys = " and ".join(f"k{i} is not None" for i in range(n))
-    # The Instruction's fields through its slots' setters (a frozen dataclass's __init__ looks
-    # each up through object.__setattr__): the operands were bound above, the engine is the
-    # handle's own.
-    lines += ["    ins = new(Instruction)",
-              "    SET_MNEMONIC(ins, MNEMONIC)",
-              "    SET_ENGINE(ins, engine)",
-              f"    SET_ARGS(ins, ({args},))",
-              "    SET_SOURCE(ins, source)",
-              f"    if {keys}:",
-              f"        key = (ekey, engine.unit, engine.queue, MNEMONIC, "
-              f"{', '.join(f'k{i}' for i in range(n))})",
-              "        try:",
-              "            hit = key in kb._legal",
-              "        except TypeError:  # an unhashable operand: the check says what is wrong with it",
-              "            hit, key = False, None",
-              "        if not hit:",
-              "            kb._check_new(ins, key)",
-              "    else:",
-              "        kb._check_new(ins, None)",
-              "    kb._instructions.append(ins)",
-              "    return ins"]
-    return "\n".join(lines) + "\n"
-
-
-class _Layout:
-    """What issuing one table row needs, worked out once per row, including its issue function.
-
-    Legality (``check_instruction``) is checked once per distinct *key*, which holds exactly what
-    the checks read:
-
-    - the engine's unit and queue, and whether its core is a valid core number;
-    - per tile: its space, dtype, rows, cols and stride (the offset too if a rule reads it), its
-      core relative to the engine's if a rule reads it, and whether it is 0 (HBM tiles must be on
-      core 0). Keying cores relative to the engine's is exact because the rules only compare cores
-      with cores (``legality.cores_only_compared_with_cores``, else cores are keyed as they are),
-      so one check covers every core. A tile with a field that is not a plain int (a float, a numpy integer)
-      or outside its binary field makes the key None: the instruction is checked on its own;
-    - per integer operand that the rules only compare with constants (``value >= 1``), its
-      position among those constants and its field's bounds (``legality.integer_points``):
-      ``sem.wait``'s value differs on almost every call, its verdict on none;
-    - per other operand, its value (with its type unless it is an int or str: ``True == 1`` but
-      only one of them is a legal count).
-    """
-
-    __slots__ = ("cores_read", "defaults", "issue", "names", "pads", "points", "relative_cores", "row",
-                 "with_offset")
-
-    def __init__(self, row: InstrSpec) -> None:
-        self.row = row
-        self.names = tuple(op.name for op in row.operands)
-        self.defaults = tuple(op.default if op.optional else _MISSING for op in row.operands)
-        self.with_offset = any("offset" in rule for rule in row.rules)
-        # Defaults of trailing optional operands: ``signal(sem)`` is ``signal(sem, 1)``.
-        self.pads = {k: self.defaults[k:] for k in range(len(self.names))
-                     if _MISSING not in self.defaults[k:]}
-        points = integer_points(row)
-        self.points = tuple(points.get(name) for name in self.names)
-        self.relative_cores = cores_only_compared_with_cores(row)
-        self.cores_read = operands_read(row, "core")
-        scope = {"Tile": Tile, "Semaphore": Semaphore, "Instruction": Instruction, "new": object.__new__,
-                 **{f"SET_{name.upper()}": Instruction.__dict__[name].__set__
-                    for name in ("mnemonic", "engine", "args", "source")},
-                 "U64": _U64_MAX,
-                 "U32": _U32_MAX, "I32": _I32_MAX,
-                 "bisect_left": bisect_left, "_operand": _operand, "layout": self,
-                 "MNEMONIC": row.mnemonic, **{f"P{i}": p for i, p in enumerate(self.points)}}
-        exec(compile(_issue_source(self), f"<issue {row.mnemonic}>", "exec"), scope)
-        self.issue = scope["issue"]
-
-
-_LAYOUTS = {row.mnemonic: _Layout(row) for row in TABLE}

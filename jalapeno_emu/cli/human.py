@@ -117,3 +117,37 @@ def why_line(doc: dict[str, Any]) -> str | None:
     """``why: ...`` under a table, from the document's ``why`` (None when it has none)."""
     why = doc.get("why")
     return None if not why else f"why: {why}"
+
+
+PATH_SHOWN_FRACTION = 0.01
+"""``--path`` tables show the runs that add at least this fraction of the path; the runs between
+two shown ones fold into one row (``--json`` keeps every run)."""
+
+
+def path_table(title: str, runs: list[dict[str, Any]]) -> Table:
+    """The critical path (``emu.critical_path.PathRun.as_dict()`` rows, first to last) as a table:
+    what waited on what, the µs each run adds and when it ran, with short runs folded."""
+    total = sum(r["critical_s"] for r in runs)
+    table = Table(title=title)
+    for col, justify in (("operator", "left"), ("engine", "left"), ("instructions", "left"),
+                         ("adds µs", "right"), ("cause", "left"), ("at µs", "right"), ("issued at", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    folded: list[dict[str, Any]] = []
+
+    def fold() -> None:
+        if folded:
+            n = sum(r["count"] for r in folded)
+            table.add_row("", "", f"... {len(folded)} short run(s), {n} instruction(s)",
+                          us(sum(r["critical_s"] for r in folded)), "", "", "", style="dim")
+            folded.clear()
+
+    for r in runs:
+        if r["critical_s"] < PATH_SHOWN_FRACTION * total:
+            folded.append(r)
+            continue
+        fold()
+        what = r["mnemonic"] if r["count"] == 1 else f"{r['mnemonic']} x{r['count']}"
+        table.add_row(r["operator"], r["engine"], what, us(r["critical_s"]), r["cause"],
+                      f"{us(r['start_s'])}..{us(r['end_s'])}", r["source"])
+    fold()
+    return table

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, load_preset
 from jalapeno_emu.cli.app import App, output_file
-from jalapeno_emu.cli.human import key_values, metrics_table, trace_note, why_line
+from jalapeno_emu.cli.human import key_values, metrics_table, path_table, trace_note, us, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 
 LONG_RUN_INSTRUCTIONS = 20_000
@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time only: no functional run and no race/uninitialised-read analysis "
                         "(legality, capacity and deadlocks are still checked); fast at full size")
     p.add_argument("--trace", type=output_file, help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--path", action="store_true",
+                   help="also show the critical path: what waited on what, the µs each run of "
+                        "instructions adds and the kernel line that issued it (JSON: critical_path)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
@@ -81,6 +84,10 @@ def run(app: App, args: argparse.Namespace) -> int:
     if args.trace:
         report.timeline.write_chrome_trace(args.trace)
     doc = report.as_dict()
+    if args.path:
+        from jalapeno_emu.emu.critical_path import launched_path_runs
+
+        doc["critical_path"] = [r.as_dict() for r in launched_path_runs(report.timeline, label=kdef.name)]
     if app.json_output:
         app.emit_json(f"kernel {kdef.name}", doc)
     else:
@@ -97,6 +104,9 @@ def run(app: App, args: argparse.Namespace) -> int:
         if report.check is not None:
             app.console.print(f"tolerance: atol={doc['tolerance']['atol']:g} "
                               f"rtol={doc['tolerance']['rtol']:g} ({doc['tolerance']['why']})")
+        if args.path:
+            app.console.print(path_table(f"critical path of {kdef.name} ({us(report.timeline.time_s)} µs)",
+                                         doc["critical_path"]))
     if args.trace:
         trace_note(app, args.trace)
     if report.check is not None and not report.check["passed"]:

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from jalapeno_emu.chip import apply_overrides, format_quantity, load_preset
 from jalapeno_emu.cli.app import Abort, App, output_file
-from jalapeno_emu.cli.human import trace_note, why_line
+from jalapeno_emu.cli.human import path_table, trace_note, why_line
 from jalapeno_emu.cli.options import add_key_value_option
 from jalapeno_emu.files import check_output_paths
 
@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None,
                    help="layer index (default: the first full-attention layer, where the context "
                         "matters; gpt-oss's layer 0 has a sliding window)")
+    p.add_argument("--path", action="store_true",
+                   help="also show the layer's critical path: what waited on what, the µs each run "
+                        "of instructions adds and the kernel line that issued it (JSON: "
+                        "critical_path; times afresh, like --trace)")
     p.set_defaults(run=run_layer)
     p = sub.add_parser("model", help="time a whole model step: every layer, embedding and logits")
     _common(p)
@@ -104,7 +108,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
 def _disk_cache(args: argparse.Namespace) -> bool:
     """Whether fused timings come from (and go to) the disk cache: not with --no-cache, and not
     for a trace (a cached result keeps no timeline)."""
-    return not args.no_cache and not args.trace
+    return not args.no_cache and not args.trace and not getattr(args, "path", False)
 
 
 def _us(t: float) -> str:
@@ -149,7 +153,13 @@ def _print_why(app: App, doc: dict[str, Any], qualifier: str = "") -> None:
 def run_layer(app: App, args: argparse.Namespace) -> int:
     """Time one layer for one step (prefill: every chunk, summed)."""
     from jalapeno_emu.model.fused_timing import sum_groups
-    from jalapeno_emu.model.timing import resolve_fusion, sum_timings, time_layer, write_layer_trace
+    from jalapeno_emu.model.timing import (
+        layer_critical_path,
+        resolve_fusion,
+        sum_timings,
+        time_layer,
+        write_layer_trace,
+    )
 
     cfg, spec, timer, steps = _setup(args)
     fusion = resolve_fusion(args.fusion, spec)
@@ -170,6 +180,9 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
            "seq": sum(s.seq for s in steps) if args.phase == "prefill" else None,
            "chunks": len(steps), **totals,
            "kernels": [dict(k.as_dict(), chunk=c) for c, lt in enumerate(timed) for k in lt.kernels]}
+    if args.path:
+        doc["critical_path"] = [dict(r.as_dict(), chunk=c) for c, lt in enumerate(timed)
+                                for r in layer_critical_path(lt)]
     if args.trace:
         if fusion == "none":
             write_layer_trace(timed, args.trace)
@@ -193,6 +206,12 @@ def run_layer(app: App, args: argparse.Namespace) -> int:
                       f"bandwidth, {totals['flops'] / 1e9:,.2f} GFLOP at {totals['mxu_utilization']:.1%} of "
                       f"peak MXFP4; roofline {_us(lower)} µs ({totals['time_s'] / lower:.2f}x)")
     _print_why(app, totals)
+    if args.path:
+        for c, lt in enumerate(timed):
+            chunk = f", chunk {c}" if len(timed) > 1 else ""
+            runs = [r for r in doc["critical_path"] if r["chunk"] == c]
+            title = f"critical path of layer {layer}{chunk} ({_us(lt.time_s)} µs)"
+            app.console.print(path_table(title, runs))
     if args.trace:
         trace_note(app, args.trace)
     return 0

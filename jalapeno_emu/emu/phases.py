@@ -24,7 +24,8 @@ import numpy as np
 
 from jalapeno_emu.emu.timeline import CATEGORIES, FORMATS, Timeline
 
-__all__ = ["PhaseFigures", "phase_figures", "region_of_instructions", "region_spans", "why_of_causes"]
+__all__ = ["PhaseFigures", "path_steps", "phase_figures", "region_of_instructions", "region_spans",
+           "step_cause", "why_of_causes"]
 
 _DMA, _MXU, _VPU, _SYNC, _LINK = (CATEGORIES.index(c) for c in ("dma", "mxu", "vpu", "sync", "link"))
 
@@ -111,6 +112,47 @@ def region_spans(tl: Timeline) -> dict[str, tuple[float, float]]:
     return out
 
 
+def path_steps(tl: Timeline, *, end_instruction: int | None = None,
+               start_s: float = 0.0) -> list[tuple[int, float]]:
+    """The critical path into ``end_instruction`` (default: the instruction that ends last), cut
+    at ``start_s``: (instruction index, seconds of the window it accounts for), first to last.
+
+    Each instruction accounts for its end minus the latest end before it on the path (or
+    ``start_s``); instructions that add nothing inside the window are left out, so the seconds add
+    up to the window exactly.
+    """
+    n = len(tl.end_s)
+    if not n:
+        return []
+    i = int(np.argmax(tl.end_s)) if end_instruction is None else end_instruction
+    path = []
+    pred = tl.pred.tolist()
+    while i >= 0 and len(path) <= n:
+        path.append(i)
+        i = pred[i]
+    path.reverse()
+    out = []
+    prev = 0.0
+    for i, end in zip(path, tl.end_s[path].tolist(), strict=True):
+        lo = max(prev, start_s)
+        prev = max(prev, end)
+        if end > lo:
+            out.append((i, end - lo))
+    return out
+
+
+def step_cause(tl: Timeline, i: int) -> str:
+    """What instruction ``i``'s time beyond its fixed costs is spent on: "hbm" (an HBM transfer),
+    "compute" (matrix or vector work), "synchronisation" (a semaphore) or "latency" (anything
+    else: on-chip copies, links)."""
+    c = int(tl.category[i])
+    if c == _DMA:
+        return "hbm" if tl.hbm[i] else "latency"
+    if c in (_MXU, _VPU):
+        return "compute"
+    return "synchronisation" if c == _SYNC else "latency"
+
+
 def phase_figures(tl: Timeline, *, end_instruction: int | None = None, start_s: float = 0.0,
                   names: list[str] | None = None) -> list[PhaseFigures]:
     """Per region (or those in ``names``), its figures over the window from ``start_s`` to the end
@@ -122,42 +164,18 @@ def phase_figures(tl: Timeline, *, end_instruction: int | None = None, start_s: 
     instruction's kind. Bytes and FLOPs are every instruction of the region's, wherever it ran.
     """
     all_names, owner = region_of_instructions(tl)
-    n = len(tl.end_s)
     causes = ("hbm", "compute", "latency", "synchronisation")
     crit = np.zeros((len(all_names) + 1, len(causes)))  # last row: outside any region
     on_engine: dict[tuple[int, int], float] = {}  # (row, engine index) -> critical seconds
-    if n:
-        i = int(np.argmax(tl.end_s)) if end_instruction is None else end_instruction
-        path = []
-        pred = tl.pred.tolist()
-        while i >= 0 and len(path) <= n:
-            path.append(i)
-            i = pred[i]
-        path.reverse()
-        prev = 0.0
-        ends, fixed, cat, hbm = tl.end_s, tl.fixed_s, tl.category, tl.hbm
-        for i in path:
-            end = float(ends[i])
-            lo, hi = max(prev, start_s), end
-            prev = max(prev, end)
-            if hi <= lo:
-                continue
-            step = hi - lo
-            fix = min(float(fixed[i]), step)
-            c = int(cat[i])
-            if c == _DMA:
-                work = "hbm" if hbm[i] else "latency"
-            elif c in (_MXU, _VPU):
-                work = "compute"
-            elif c == _SYNC:
-                work = "synchronisation"
-            else:
-                work = "latency"
-            row = owner[i] if owner[i] >= 0 else len(all_names)
-            crit[row, causes.index("latency")] += fix
-            crit[row, causes.index(work)] += step - fix
-            key = (int(row), int(tl.engine_index[i]))
-            on_engine[key] = on_engine.get(key, 0.0) + step
+    fixed = tl.fixed_s
+    for i, step in path_steps(tl, end_instruction=end_instruction, start_s=start_s):
+        fix = min(float(fixed[i]), step)
+        work = step_cause(tl, i)
+        row = owner[i] if owner[i] >= 0 else len(all_names)
+        crit[row, causes.index("latency")] += fix
+        crit[row, causes.index(work)] += step - fix
+        key = (int(row), int(tl.engine_index[i]))
+        on_engine[key] = on_engine.get(key, 0.0) + step
     d = tl.spec.derived()
     engine_core = np.array([e.core for e in tl.engines], dtype=np.int64)
     working = tl.category != _SYNC

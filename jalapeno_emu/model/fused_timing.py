@@ -152,7 +152,7 @@ def _window_layer(cfg: ModelConfig, fb: FusedBuild, tl: Timeline, layer: int, sp
     kernels = _kernel_entries(tl, fb, fb.layer_ops[layer], end_instruction=end_i, start_s=start)
     totals = _totals(kernels, end_t - start, spec, fusion="step", launch_s=0.0)
     return LayerTiming(layer=layer, kind=layer_kind(cfg, layer), kernels=tuple(kernels), totals=totals,
-                       timelines=(tl,))
+                       timelines=(tl,), window=(end_i, start))
 
 
 def _group_stretch(cfg: ModelConfig, fb: FusedBuild, tl: Timeline, group: int, kind: str, spec: ChipSpec,
@@ -161,7 +161,7 @@ def _group_stretch(cfg: ModelConfig, fb: FusedBuild, tl: Timeline, group: int, k
     launch = tl.launch_s if group == -1 else 0.0
     totals = _totals(kernels, end_t - start + launch, spec, fusion="step", launch_s=launch)
     return LayerTiming(layer=group if group >= 0 else -1, kind=kind, kernels=tuple(kernels), totals=totals,
-                       timelines=(tl,))
+                       timelines=(tl,), window=(end_i, start))
 
 
 def fused_model_timing(cfg: ModelConfig, step: Step, spec: ChipSpec, fusion: str, *,

@@ -14,12 +14,14 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec, load_preset
+from jalapeno_emu.emu.critical_path import PathRun, critical_path_runs, launched_path_runs
 from jalapeno_emu.emu.timeline import Timeline
 from jalapeno_emu.emu.timing import run_timing
+from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.files import atomic_write_json
 from jalapeno_emu.kernels.registry import get_kernel
 
@@ -27,8 +29,8 @@ from .config import ModelConfig
 from .footprint import Footprint, footprint
 from .plan import Launch, Step, head_launches, layer_launches, tail_launches
 
-__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "gc_paused", "resolve_fusion",
-           "sum_timings", "time_layer", "time_model", "write_layer_trace"]
+__all__ = ["KernelTiming", "LayerTiming", "ModelTiming", "StepTimer", "gc_paused", "layer_critical_path",
+           "resolve_fusion", "sum_timings", "time_layer", "time_model", "write_layer_trace"]
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
@@ -150,7 +152,9 @@ class LayerTiming:
         kernels: its launches, in order.
         totals: ``time_s``, ``hbm_bytes``, ``flops``, ``hbm_utilization``,
             ``hbm_utilization_of_achievable``, ``mxu_utilization``, ``bound``, ``time_by_bound_s``.
-        timelines: per launch, the Timeline (for traces).
+        timelines: per launch, the Timeline (for traces and critical paths).
+        window: (last instruction, start s) of the layer's stretch of ``timelines[0]`` when that
+            is a program of several layers (step fusion); None: each timeline is the layer's whole.
     """
 
     layer: int
@@ -158,6 +162,7 @@ class LayerTiming:
     kernels: tuple[KernelTiming, ...]
     totals: dict[str, Any]
     timelines: tuple[Timeline, ...] = field(repr=False, compare=False, default=())
+    window: tuple[int, float] | None = field(repr=False, compare=False, default=None)
 
     @property
     def time_s(self) -> float:
@@ -357,6 +362,35 @@ def model_timing_on_disk(cfg: ModelConfig, step: Step, spec: ChipSpec | str = "j
     spec = load_preset(spec) if isinstance(spec, str) else spec
     fusion = resolve_fusion(fusion, spec)
     return fusion != "none" and is_cached(_model_question(cfg, step, fusion), spec)
+
+
+def layer_critical_path(lt: LayerTiming) -> list[PathRun]:
+    """The critical path of layer timing ``lt`` (computed here, so it has its Timelines: not one
+    read from the disk cache), as runs (``emu.critical_path``), first to last; times in s from the
+    layer's start.
+
+    Step fusion: the path into the layer's last operator in the program of the layers around it,
+    cut where the layer before it ends. Layer fusion: the program's whole path. No fusion: each
+    launch's path after its launch cost (a run ``launch`` on engine ``host``), back to back.
+
+    Raises:
+        InvalidArgumentError: ``lt`` has no Timelines (it was read from the disk cache).
+    """
+    if not lt.timelines:
+        raise InvalidArgumentError("this layer timing was read from the disk cache and keeps no "
+                                   "Timelines: time it afresh (disk_cache=False, --no-cache)")
+    if lt.window is not None:
+        end_i, start = lt.window
+        return [replace(r, start_s=r.start_s - start, end_s=r.end_s - start)
+                for r in critical_path_runs(lt.timelines[0], end_instruction=end_i, start_s=start)]
+    if lt.totals.get("fusion") == "layer":  # one program for the whole layer
+        return launched_path_runs(lt.timelines[0])
+    runs = []
+    t0 = 0.0
+    for k, tl in zip(lt.kernels, lt.timelines, strict=True):
+        runs += launched_path_runs(tl, label=k.label, at_s=t0)
+        t0 += k.time_s
+    return runs
 
 
 def write_layer_trace(layers: Sequence[LayerTiming], path: str | os.PathLike[str]) -> None:

@@ -73,8 +73,21 @@ from .moe_pack import chunk_bytes
 from .moe_routing import routing_buffers, routing_dims
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
 
-__all__ = ["LOOKAHEAD", "MAX_TOKENS", "REDUCE_QUEUES", "SHARED_BLOCK", "CoreTiles", "Item", "MoePlan",
-           "bias_terms", "capacities", "core_tiles", "plan_slots", "slot_tensors"]
+__all__ = [
+    "LOOKAHEAD",
+    "MAX_TOKENS",
+    "REDUCE_QUEUES",
+    "SHARED_BLOCK",
+    "CoreTiles",
+    "Item",
+    "MoePlan",
+    "bias_terms",
+    "capacities",
+    "core_tiles",
+    "item_seconds",
+    "plan_slots",
+    "slot_tensors",
+]
 
 MAX_TOKENS = 128
 """Tokens the slot program takes at most: one matrix-unit row tile (every slot's list fits it)."""
@@ -484,6 +497,20 @@ def _router_split(shape: dict[str, Any], spec: ChipSpec,
     return r_parts, ew, tuple((b[r], b[r + 1]) for r in range(split))
 
 
+def item_seconds(spec: ChipSpec, act_fmt: str, t: int, h: int, w: int, chunk_bytes: int,
+                 cores: int) -> tuple[float, float, float]:
+    """(load, matrix unit, vector unit) seconds of one item: a chunk of ``chunk_bytes`` loaded at a
+    core's share of HBM when ``cores`` cores stream; the gate|up and down matmuls of ``t`` tokens
+    by H=``h`` and a slice of ``w`` columns, pipeline fills included; the activation's passes."""
+    mx = spec.matrix
+    mt = -(-t // mx.tile_m)
+    steps = mt * (-(-2 * w // mx.tile_n) * h // 32 + -(-h // mx.tile_n) * w // 32)
+    mxu_cycles = steps * mxu_cycles_per_step(spec, act_fmt, "fp4") + 2 * mx.pipeline_depth_cycles
+    mxu = mxu_cycles / spec.core.clock_hz
+    vec = 14 * (spec.vector.issue_overhead_cycles + t * w / spec.vector.lanes) / spec.core.clock_hz
+    return chunk_bytes / core_hbm_bytes_per_s(spec, cores), mxu, vec
+
+
 @memoised_planner
 def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) -> MoePlan:
     """The slot program's split for a checked ``shape`` with ``d`` expert slots, within ``budget``.
@@ -533,20 +560,14 @@ def plan_slots(shape: dict[str, Any], spec: ChipSpec, budget: Budget, d: int) ->
     def sram_need(p: MoePlan) -> int:
         return _tiles_bytes(core_tiles(p, act_fmt, shape["activation"], True))
 
-    mxu_step = mxu_cycles_per_step(spec, act_fmt, "fp4")
-
     def cost(w: int, nbuf: int) -> float:
         """Estimated seconds of the busiest core for slice width w, fixed costs included."""
         n_items = (d + s) * len(slices_of(i, w))
         cores = min(cores_avail, n_items)
         per_core = -(-n_items // cores)
         hbm_rate = core_hbm_bytes_per_s(spec, cores)
-        mt = -(-t // spec.matrix.tile_m)
-        steps = mt * (-(-2 * w // spec.matrix.tile_n) * h // 32 + -(-h // spec.matrix.tile_n) * w // 32)
-        mxu = (steps * mxu_step + 2 * spec.matrix.pipeline_depth_cycles) / spec.core.clock_hz
-        vec = 14 * (spec.vector.issue_overhead_cycles + t * w / spec.vector.lanes) / spec.core.clock_hz
+        load, mxu, vec = item_seconds(spec, act_fmt, t, h, w, max(chunks(w)), cores)
         latency = spec.dma.setup_latency_s + spec.hbm.latency_s
-        load = max(chunks(w)) / hbm_rate
         # With more than two buffers the loads stream back to back (latency hidden behind the
         # load in flight); with two a load waits for the previous item's matmuls.
         item = max(load, mxu, vec) if nbuf > 2 else load + latency + max(mxu, vec)

@@ -162,6 +162,44 @@ def test_full_size_gpt_oss_decode_64_tokens_timing_only():
     assert s["lower_bound_s"] <= s["time_s"] <= 1.3 * s["lower_bound_s"]
 
 
+def _queue0_pieces(program, core: int) -> list[str]:
+    """Core ``core``'s queue-0 signals of weight pieces, in issue order: "gu" (a gate|up segment
+    landed) or "rest" (the down projection and biases)."""
+    names = dict(program.semaphores)
+    out = []
+    for ins in program.instructions:
+        if ins.mnemonic == "sem.signal" and ins.engine.core == core and ins.engine.unit == "dma" \
+                and ins.engine.queue == 0:
+            name = names[ins.arg("sem")].rsplit(".", 1)[-1]
+            if name in ("loaded_gu", "loaded"):
+                out.append("gu" if name == "loaded_gu" else "rest")
+    return out
+
+
+def test_gate_up_goes_ahead_of_the_rest_before_it_past_the_fill():
+    """Where the matrix unit paces a core (MXFP8 activations) and it has items past the pipeline's
+    fill, queue 0 sends item n + 1's gate|up before item n's rest (the unit's order: gate|up of
+    n + 1, then the down projection of n), except the last item's; with few items, in item order."""
+    kd = get_kernel("moe")
+    shape = kd.shape(CASES["split_slots"])
+    p = plan_moe(shape, TINY)
+    b = kd.build(shape, TINY)
+    for c in range(p.cores):
+        items = p.core_items(c)
+        shared = sum(1 for it in items if it[0])
+        assert len(items) > p.nbuf + 2
+        want = ["gu", "rest"] * shared + ["gu"]
+        for _ in range(len(items) - shared - 2):
+            want += ["gu", "rest"]
+        want += ["rest", "gu", "rest"]
+        assert _queue0_pieces(b.program, c) == want
+    few = kd.shape(dict(CASES["gpt_oss"]))
+    pf = plan_moe(few, TINY)
+    assert all(len(pf.core_items(c)) <= pf.nbuf + 2 for c in range(pf.cores))
+    pieces = _queue0_pieces(kd.build(few, TINY).program, 0)
+    assert pieces == ["gu", "rest"] * len(pf.core_items(0))
+
+
 def test_slots_after_many_shared_items_do_not_deadlock():
     """A core whose first routed item comes after more shared items than it has weight buffers:
     its queue 0 must gather the first slot's x rows before it waits for a buffer, since the vector

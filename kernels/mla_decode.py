@@ -17,7 +17,7 @@ online-softmax engine both MLA kernels share; see its docstring for the tensors)
 3. up-projection (heads split over cores): o_lat rows are copied back to their head's core and
    out[b, h] = bf16(bf16(o_lat[b, h]) @ W_UV[h]^T) (M = batch).
 
-**Split-KV** (flash-decoding) when batch leaves cores idle (``_decode_splits``; shape key
+**Split-KV** (flash-decoding) when batch leaves cores idle (``mla_decode_plan.decode_splits``; shape key
 ``kv_splits``): each sequence's span is cut into splits of whole 32-token blocks
 (``split_ranges``), one core per (sequence, split). Phase 1 then sends every split core its
 sequence's [q_lat | q_pe] for all heads (q_pe comes from the head cores with q_lat); phase 2
@@ -64,216 +64,39 @@ the stream (absorption, the two all-to-all copy rounds, up-projection) add a fix
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from jalapeno_emu.chip import ChipSpec
 from jalapeno_emu.errors import InvalidArgumentError
-from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder, Semaphore
+from jalapeno_emu.isa.builder import EngineHandle, KernelBuilder
 from jalapeno_emu.isa.program import Tile
 
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
 from .mla import (
-    BLOCK_TOKENS,
     COMMON_SHAPE_KEYS,
-    SLACK_BYTES,
     TOLERANCE,
     Flash,
     FlashTile,
-    GemmJob,
-    GemmSrc,
-    LatentDims,
-    aligned,
-    arena_view,
-    check_dims,
-    emit_gemm_jobs,
     fetch_heads,
     fold_steps,
-    gemm_sems,
-    hbm_scratch,
-    latent_cache_capacity,
     make_inputs_of,
     mla_decode_reference,
-    pick_tile,
     reshaped,
     rows_of,
-    softmax_scale_of,
     split_ranges,
     wait_once,
 )
-from .planning import Budget, DoesNotFit, mxu_macs_per_cycle
+from .mla_decode_plan import (
+    DecodeDims,
+    DecodePlan,
+    plan_mla_decode,
+)
+from .mla_decode_small import emit_decode_small
+from .planning import Budget
 from .registry import register
 
 __all__ = ["MLA_DECODE", "build_mla_decode", "emit_mla_decode", "mla_decode_tensors"]
-
-_MAX_DECODE_TILE = 512  # context tokens per tile: big enough to amortise DMA set-up and issue
-_MAX_DECODE_BUFFERS = 4  # latent cache tiles in flight per core
-_SMALL_HEAD_GROUPS = (128, 64, 32, 16, 8, 4, 2, 1)  # heads per attention item, largest first
-_SMALL_PV_COLS = 128  # FP32 columns of PV read back at a time on the small-scratchpad path
-
-
-# --- shape, splits, plan ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Dec(LatentDims):
-    """A checked mla-decode shape: ``b`` sequences of ``c`` cached tokens in ``cap`` rows each
-    (``span``: c rounded up to 32, the tokens read), ``h`` heads, latent width ``r``, rope ``p``,
-    nope ``n``, value head ``v``, softmax ``scale``."""
-
-    b: int
-    c: int
-    cap: int
-    span: int
-    h: int
-    r: int
-    p: int
-    n: int
-    v: int
-    scale: float
-
-
-def _decode_shape(shape: dict[str, Any]) -> _Dec:
-    """The checked shape; InvalidArgumentError naming the key otherwise."""
-    check_dims(shape, None)
-    c = shape["context"]
-    cap = latent_cache_capacity(c, shape["capacity"])
-    span = -(-c // BLOCK_TOKENS) * BLOCK_TOKENS
-    return _Dec(shape["batch"], c, cap, span, shape["q_heads"], shape["kv_lora_rank"],
-                shape["rope_dim"], shape["nope_dim"], shape["v_head_dim"], softmax_scale_of(shape))
-
-
-def _decode_splits(d: _Dec, spec: ChipSpec, budget: Budget, requested: int) -> int:
-    """Context splits per sequence: shape key ``kv_splits`` when > 0; automatically, when batch
-    leaves at least two cores per sequence and one sequence's attention on one core (its
-    matrix-unit time at the BF16 rate) outlasts two DMA set-ups (what the exchange of partial
-    states adds), as many splits as the cores per sequence allow (at least one 32-token block
-    each), else 1.
-
-    (Measured on jalapeno-v1, DeepSeek-R1 dims: more splits cost at most 1 % against the best
-    count, and a split program is 2-3 us faster even below the threshold, down to 64 tokens; the
-    threshold keeps short contexts, the tiny models' included, on the one-core program, whose
-    single softmax the model reference follows bit for bit: see ``mla_decode_reference``.)"""
-    blocks = d.span // BLOCK_TOKENS
-    if requested:
-        if requested > 1 and (requested > blocks or d.b * requested > budget.cores):
-            raise InvalidArgumentError(
-                f"shape key kv_splits={requested}: each of batch={d.b} sequences split {requested} ways "
-                f"needs {d.b * requested} cores (of {budget.cores}) and at least {requested} 32-token "
-                f"blocks of context (context={d.c} has {blocks})")
-        return requested
-    per_seq = budget.cores // d.b
-    if per_seq < 2:
-        return 1
-    seq_s = d.span * d.h * (d.w + d.r) / mxu_macs_per_cycle(spec, "bf16", "bf16") / spec.core.clock_hz
-    if seq_s < 2 * spec.dma.setup_latency_s:
-        return 1
-    return min(per_seq, blocks)
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """How the on-core mla-decode is cut (see the module docstring).
-
-    Attributes:
-        t: context tokens per tile; nbuf: latent cache tiles in flight per attention core.
-        splits: context splits per sequence (1: every sequence on one core).
-        heads_of: per head core, its heads (absorption and up-projection).
-        units: per attention core, its (sequence, first token, end token) attention units.
-        qpe_heads: q_pe travels with q_lat from the head cores (split-KV, or q on chip); else
-            each attention core loads its sequences' q_pe from HBM.
-    """
-
-    t: int
-    nbuf: int
-    splits: int
-    heads_of: tuple[tuple[int, ...], ...]
-    units: tuple[tuple[tuple[int, int, int], ...], ...]
-    qpe_heads: bool
-
-
-def _merge_bytes(rows: int, splits: int, r: int) -> int:
-    """Scratchpad of a head core's split-KV merge: the partial states [splits*rows, R+2] FP32
-    and its [splits*rows, 1] and [rows, 1] FP32 columns."""
-    return aligned(splits * rows * (r + 2) * 4) + 2 * aligned(splits * rows * 4) + aligned(rows * 4)
-
-
-def _decode_v1_plan(d: _Dec, spec: ChipSpec, budget: Budget, splits: int, qpe_heads: bool,
-                    kv_tile: int) -> _DecodePlan:
-    """The on-core plan for ``splits`` splits per sequence; DoesNotFit when not even a 32-token
-    tile fits beside the weights and the query/output state."""
-    B, H, (R, _, N, V), W, D = d.b, d.h, d.dims[1:], d.w, d.d
-    cores = budget.cores
-    split = splits > 1
-    qpe_heads = qpe_heads or split
-    n_head = min(cores, H)
-    hpc = -(-H // n_head)  # heads per head core
-    heads_of = tuple(tuple(range(c * hpc, min(H, (c + 1) * hpc))) for c in range(-(-H // hpc)))
-    if split:
-        ranges = split_ranges(d.span, splits)
-        units = tuple(((b, lo, hi),) for b in range(B) for lo, hi in ranges)
-        bpc, longest, states = 1, max(hi - lo for lo, hi in ranges), 1
-    else:
-        n_att = min(cores, B)
-        units = tuple(tuple((b, 0, d.span) for b in range(B) if b % n_att == a) for a in range(n_att))
-        bpc, longest, states = -(-B // n_att), d.span, 2
-    qw, lw = (D, W) if qpe_heads else (N, R)  # q rows a head core holds, and its q_lat rows
-    sram_fixed = hpc * (N * R + V * R + B * qw + B * lw + B * R + B * V) * 2 \
-        + Flash.sram_bytes(H, 0, R, states) + SLACK_BYTES
-    if split:  # the merge on the head cores; the query and the partial state on the split cores
-        sram_fixed += _merge_bytes(hpc * B, splits, R) + H * W * 2 + H * (R + 2) * 4
-    else:
-        sram_fixed += bpc * H * (W + R) * 2
-    acc_fixed = hpc * B * (R + V) * 4 + Flash.acc_bytes(H, 0, R) + SLACK_BYTES
-    per_sram = 2 * W * 2 + Flash.sram_bytes(H, 1, R, states) - Flash.sram_bytes(H, 0, R, states)
-    cap_s, cap_a = budget.sram_bytes, budget.acc_bytes
-    what = (f"q_heads={H}, kv_lora_rank={R}, batch={B} need {sram_fixed:,} B of scratchpad and "
-            f"{acc_fixed:,} B of accumulators before any context tile; {spec.name} plans with "
-            f"{cap_s:,} B and {cap_a:,} B per core")
-    acc_fit = (cap_a - acc_fixed) // (2 * H * 4) // 32 * 32  # scores accumulators, double-buffered
-    if acc_fit < 32 or (cap_s - sram_fixed) // per_sram < 32:
-        raise DoesNotFit(what)
-    T = pick_tile(min(_MAX_DECODE_TILE, acc_fit), longest, sram_fixed, per_sram, cap_s, what, kv_tile)
-    # Spare scratchpad buys deeper prefetch: a tile's load (set-up + latency + bytes) takes longer
-    # than one tile of matrix work, so two buffers would leave the matrix unit waiting.
-    nbuf = min(_MAX_DECODE_BUFFERS, 2 + (cap_s - sram_fixed - T * per_sram) // (T * W * 2))
-    most = max(sum(-(-(hi - lo) // T) for _, lo, hi in us) for us in units)
-    return _DecodePlan(T, min(nbuf, most), splits, heads_of, units, qpe_heads)
-
-
-def _plan_mla_decode(shape: dict[str, Any], spec: ChipSpec, budget: Budget, *,
-                     qpe_heads: bool = False, keep_out: bool = False) -> tuple[_Dec, Any]:
-    """(shape, plan): split-KV when it pays (``_decode_splits``), else a core per sequence,
-    else, on scratchpads too small for either, the small-scratchpad tiling (``_DecodeTiling``).
-    ``qpe_heads``: q is on chip (q_pe then comes with q_lat); ``keep_out``: the output stays on
-    chip (the small tiling keeps every output block)."""
-    d = _decode_shape(shape)
-    requested = shape.get("kv_splits", 0)
-    splits = _decode_splits(d, spec, budget, requested)
-    if splits > 1:
-        try:
-            return d, _decode_v1_plan(d, spec, budget, splits, qpe_heads, shape["kv_tile"])
-        except DoesNotFit as exc:
-            if requested:
-                raise DoesNotFit(f"shape key kv_splits={requested}: split-KV needs the on-core tiling, which "
-                                 f"does not fit: {exc.message}") from None
-    try:
-        return d, _decode_v1_plan(d, spec, budget, 1, qpe_heads, shape["kv_tile"])
-    except DoesNotFit:
-        pass
-    # Small scratchpads (GPU presets): weights and all heads' output state cannot stay on the
-    # core; the phases go through HBM instead.
-    if requested > 1:
-        raise InvalidArgumentError(f"shape key kv_splits={requested}: split-KV needs the on-core tiling, "
-                                   f"which does not fit {spec.name}'s scratchpad (use kv_splits=0 or 1)")
-    til = _decode_small_tiling(d, spec, budget, shape["kv_tile"], keep_out)
-    if til is None:
-        what = "shape key kv_tile=" + str(shape["kv_tile"]) if shape["kv_tile"] else "the tiling"
-        raise DoesNotFit(
-            f"{what} cannot hold this shape: q_heads={d.h}, kv_lora_rank={d.r}, rope_dim={d.p}: one head's "
-            f"query [1, {d.w}] and FP32 output state [1, {d.r}] plus two 32-token cache tiles of "
-            f"{32 * d.w * 2:,} B need more than the {budget.sram_bytes:,} B of scratchpad / "
-            f"{budget.acc_bytes:,} B of accumulators per core {spec.name} plans with")
-    return d, til
 
 
 # --- decode: the on-core program --------------------------------------------------------------
@@ -282,7 +105,7 @@ def _plan_mla_decode(shape: dict[str, Any], spec: ChipSpec, budget: Budget, *,
 _EARLY_TILES = 2
 
 
-def _emit_decode_v1(ctx: EmitCtx, d: _Dec, plan: _DecodePlan, q: TensorRef, kv: TensorRef, w: TensorRef,
+def _emit_decode_v1(ctx: EmitCtx, d: DecodeDims, plan: DecodePlan, q: TensorRef, kv: TensorRef, w: TensorRef,
                     out: Out) -> Emitter:
     """The on-core mla-decode (see the module docstring): absorb on the head cores, attention on
     the attention cores (one core per sequence, or per context split with the partial states
@@ -591,236 +414,6 @@ def _emit_merge(vpu: EngineHandle, recv: Tile, mx: Tile, alpha: Tile, linv: Tile
     vpu.mul(obuf, recv.sub(0, 0, k, r), linv)
 
 
-# --- small scratchpads (GPU presets): phases through HBM ---------------------------------------
-@dataclass(frozen=True)
-class _DecodeTiling:
-    """Small-scratchpad mla-decode tiling: ``hg`` heads per attention item, ``t`` context tokens
-    per tile on ``nbuf`` buffers; GEMM jobs of ``bm`` sequences, ``rc`` absorbed columns (phase
-    1) and ``kp``-wide K panels (phase 3); byte sizes of the per-core regions."""
-
-    hg: int
-    t: int
-    nbuf: int
-    bm: int
-    rc: int
-    kp: int
-    flash_sram: int
-    arena_sram: int
-    gemm_acc: int
-
-
-def _decode_small_tiling(d: _Dec, spec: ChipSpec, budget: Budget, override: int,
-                         keep_out: bool = False) -> _DecodeTiling | None:
-    """The largest head group, then the largest context tile, that fit (None: nothing fits).
-    ``keep_out``: every phase-3 output block stays on its core beside the tiling."""
-    B, H, span = d.b, d.h, d.span
-    R, P, N, V = d.r, d.p, d.n, d.v
-    W = R + P
-    cap_s, cap_a = budget.sram_bytes, budget.acc_bytes - SLACK_BYTES
-    pvc = min(R, _SMALL_PV_COLS)
-
-    def gemm(bm: int, rc: int, kp: int) -> tuple[int, int]:
-        a = max(bm * N, bm * kp) * 2
-        b = max(N * rc, V * kp) * 2
-        o = max(bm * rc, bm * V) * 2
-        return 2 * (aligned(a) + aligned(b) + aligned(o)), 2 * aligned(max(bm * rc, bm * V) * 4)
-
-    def kept(bm: int) -> int:  # the output blocks one core keeps (phase-3 jobs dealt round robin)
-        jobs = H * -(-B // bm)
-        return -(-jobs // budget.cores) * aligned(min(bm, B) * V * 2) if keep_out else 0
-
-    gemm_opts = [(bm, rc, kp) for bm in (128, 64, 32, 16, 8) if bm <= max(B, 8)
-                 for rc, kp in ((R, R), (R // 2, R // 2), (R // 4, R // 4), (R // 8, R // 8))
-                 if rc >= 32 and rc % 32 == 0]
-    tiles = [override] if override else list(range(min(_MAX_DECODE_TILE, span) // 32 * 32, 0, -32))
-    for hg in (g for g in _SMALL_HEAD_GROUPS if g <= H):
-        for t in tiles:
-            fl_s = Flash.sram_bytes(hg, t, R, 1, pvc) + 16 * 64
-            fl_a = Flash.acc_bytes(hg, t, R) + 4 * 64
-            for nbuf in (4, 3, 2):
-                att = 2 * aligned(hg * W * 2) + 2 * aligned(hg * R * 2) + nbuf * aligned(t * W * 2)
-                for bm, rc, kp in gemm_opts:
-                    g_s, g_a = gemm(bm, rc, kp)
-                    if fl_s + max(att, g_s) + kept(bm) <= cap_s and fl_a + g_a <= cap_a:
-                        return _DecodeTiling(hg, t, nbuf, bm, rc, kp, fl_s, max(att, g_s), g_a)
-    return None
-
-
-def _emit_decode_small(ctx: EmitCtx, d: _Dec, til: _DecodeTiling, q: TensorRef, kv: TensorRef, w: TensorRef,
-                       out: Out, q_lat: TensorRef | None, o_lat: TensorRef | None) -> Emitter:
-    """mla-decode for scratchpads that cannot hold a head's absorbed weights or all heads' FP32
-    output state (GPU presets): three phases with the latent query and output through HBM.
-
-    1. absorb: per (head, block of ``bm`` sequences, ``rc`` latent columns) q_lat =
-       bf16(q_nope @ W_UK[h]) into HBM scratch ``q_lat`` [batch*q_heads, R];
-    2. attention: per (sequence, group of ``hg`` heads) the flash loop of the v1 kernel over
-       context tiles (the tile loaded once for the group's heads), one FP32 output state, PV read
-       back 128 columns at a time; o_lat = bf16(o / l) into HBM scratch ``o_lat``;
-    3. up-projection: per (head, block of sequences) out = bf16(o_lat @ W_UV[h]^T), K in
-       ``kp``-wide panels accumulated in place (stored, or kept on the core with ``Out.onchip``).
-
-    A global count of stores (one signal per core) separates the phases, as kernel boundaries
-    would on a GPU. The numerics are the v1 kernel's: the same roundings, the same reference.
-    Everything comes after the prefetch part (each phase's loads wait for the one before).
-    """
-    kb = ctx.kb
-    B, C, cap, span = d.b, d.c, d.cap, d.span
-    H, R, P, N, V = d.dims
-    D = d.d
-    hg, T, nbuf, bm = til.hg, til.t, til.nbuf, til.bm
-    cores = ctx.budget.cores
-    kv_h, w_h = kv.base, w.base
-    qlat_h = hbm_scratch(ctx, q_lat, "q_lat", (B * H, R))  # phase 1 -> 2
-    olat_h = hbm_scratch(ctx, o_lat, "o_lat", (B * H, R))  # phase 2 -> 3
-
-    # Per core: the flash loop's buffers, then one arena the phases reuse in turn.
-    flash, arena, gacc = {}, {}, {}
-    for c in range(cores):
-        flash[c] = Flash(kb, c, hg, T, R, d.scale, states=1, pv_cols=min(R, _SMALL_PV_COLS))
-        arena[c] = kb.sram(c, "arena", (1, til.arena_sram), "u8")
-        gacc[c] = [kb.acc(c, f"gemm_acc{i}", (1, til.gemm_acc // 8)) for i in range(2)]
-    half = til.arena_sram // 2
-
-    def gemm_bufs(c: int, a_bytes: int, b_bytes: int, o_bytes: int) -> dict[str, list[Tile]]:
-        offs = [0, aligned(a_bytes), aligned(a_bytes) + aligned(b_bytes)]
-        ar = arena[c]
-        return {"a": [arena_view(ar, "u8", 1, aligned(a_bytes), s * half + offs[0]) for s in range(2)],
-                "b": [arena_view(ar, "u8", 1, aligned(b_bytes), s * half + offs[1]) for s in range(2)],
-                "out": [arena_view(ar, "u8", 1, aligned(o_bytes), s * half + offs[2]) for s in range(2)],
-                "acc": gacc[c]}
-
-    a_bytes = max(bm * N, bm * til.kp) * 2
-    b_bytes = max(N * til.rc, V * til.kp) * 2
-    o_bytes = max(bm * til.rc, bm * V) * 2
-
-    # Phase 1 jobs: q_lat = bf16(q_nope @ W_UK[h]), (head, sequences, latent columns).
-    def rows(t: Tile, c0: int, cols: int, h: int, b0: int) -> Tile:  # rows (b0.., h) of a [B*H, .] tensor
-        return rows_of(t.sub(0, c0, B * H, cols), b0 * H + h, min(bm, B - b0), H)
-
-    p1 = [GemmJob([(GemmSrc(q, b0, h * D, min(bm, B - b0), N),
-                     w_h.sub(h * (N + V), r0, N, min(til.rc, R - r0)))],
-                   rows(qlat_h, r0, min(til.rc, R - r0), h, b0), transposed=False)
-          for h in range(H) for b0 in range(0, B, bm) for r0 in range(0, R, til.rc)]
-    # Phase 3 jobs: out = bf16(o_lat @ W_UV[h]^T), K in panels of kp; (head, sequences).
-    p3 = [(h, b0, GemmJob([(rows(olat_h, k0, min(til.kp, R - k0), h, b0),
-                             w_h.sub(h * (N + V) + N, k0, V, min(til.kp, R - k0)))
-                            for k0 in range(0, R, til.kp)],
-                           out.ref.hbm_view(b0, h * V, min(bm, B - b0), V) if out.in_hbm else None,
-                           transposed=True))
-          for h in range(H) for b0 in range(0, B, bm)]
-    p3_sems = {c: gemm_sems(kb, c, "p3") for c in range(min(cores, len(p3)))}
-    keep: dict[int, list[Tile]] = {}
-    if out.in_hbm:
-        ref = out.ref  # ready when every core's phase-3 stores have landed (one count per core)
-        out_done_sem = kb.semaphore("out_done")
-        ref = ref.with_ready(0, 0, B, H * V, (out_done_sem.id, len(p3_sems)))
-    else:
-        pieces = []
-        for c in p3_sems:
-            keep[c] = []
-            for j, (h, b0, _) in enumerate(p3[c::cores]):
-                m = min(bm, B - b0)
-                keep[c].append(kb.sram(c, f"out{j}", (m, V), "bf16", keep=True))
-                pieces.append(Piece(b0, h * V, m, V, keep[c][-1], None, (p3_sems[c]["read"].id, j + 1)))
-        ref = TensorRef.onchip("out", (B, H * V), "bf16", pieces)
-        out_done_sem = kb.semaphore("out_done")
-    outs = {"out": ref}
-    yield outs
-
-    waited: dict[Any, set[Ready]] = {}
-    qlat_done = kb.semaphore("qlat_done")
-    n1 = sum(emit_gemm_jobs(kb, c, p1[c::cores], gemm_bufs(c, a_bytes, b_bytes, o_bytes), None,
-                             qlat_done, "p1", waited=waited) for c in range(cores))
-
-    # Phase 2: attention per (sequence, head group).
-    items = [(b, h0) for b in range(B) for h0 in range(0, H, hg)]
-    olat_done = kb.semaphore("olat_done")
-    n2 = 0
-    for c in range(min(cores, len(items))):
-        n2 += 1
-        _decode_small_attention(kb, c, items[c::cores], flash[c], arena[c], (qlat_done, n1), olat_done,
-                                (q, kv_h, qlat_h, olat_h), (H, hg, T, nbuf, span, C, cap), (R, P, N), waited)
-
-    # Phase 3: the up-projection.
-    for c in range(cores):
-        emit_gemm_jobs(kb, c, [job for _, _, job in p3[c::cores]], gemm_bufs(c, a_bytes, b_bytes, o_bytes),
-                        (olat_done, n2), out_done_sem, "p3", sem=p3_sems.get(c), keep=keep.get(c))
-    return outs
-
-
-def _decode_small_attention(kb: KernelBuilder, c: int, items: list[tuple[int, int]], fl: Flash, arena: Tile,
-                            start: tuple[Semaphore, int], done: Semaphore, hbm: tuple[Any, ...],
-                            sizes: tuple[int, ...], dims: tuple[int, int, int],
-                            waited: dict[Any, set[Ready]]) -> None:
-    """Core ``c``'s attention items (sequence b, first head h0): [q_lat | q_pe] of the group and
-    the context tiles in, o_lat of the group out (see ``_emit_decode_small``)."""
-    q, kv_h, qlat_h, olat_h = hbm
-    H, hg, T, nbuf, span, C, cap = sizes
-    R, P, N = dims
-    W, D = R + P, N + P
-    core = kb.core(c)
-    off = 0
-    qbuf, obuf, kvb = [], [], []
-    for _ in range(2):
-        qbuf.append(arena_view(arena, "bf16", hg, W, off))
-        off += aligned(hg * W * 2)
-    for _ in range(2):
-        obuf.append(arena_view(arena, "bf16", hg, R, off))
-        off += aligned(hg * R * 2)
-    for _ in range(nbuf):
-        kvb.append(arena_view(arena, "bf16", T, W, off))
-        off += aligned(T * W * 2)
-    sem = {n: kb.semaphore(f"c{c}.p2.{n}") for n in ("q", "q_used", "kv", "o_ready", "o_stored")}
-    starts = list(range(0, span, T))
-    tiles: list[FlashTile] = []
-    for it, (b, h0) in enumerate(items):
-        nh = min(hg, H - h0)
-        qb = qbuf[it % 2].sub(0, 0, nh, W)
-        q1 = core.dma[1]
-        if it == 0:  # every core's q_lat is in HBM, and this core's arena is free of phase 1
-            q1.wait(*start)
-            core.dma[0].wait(*start)
-        if it >= 2:  # the matrix unit's scores of item it-2 have read this buffer
-            q1.wait(sem["q_used"], it - 1)
-        q1.load(qb.sub(0, 0, nh, R), qlat_h.sub(b * H + h0, 0, nh, R))
-        fetch_heads(q1, qb.sub(0, R, nh, P), q, b, h0, nh, N, D, waited)
-        q1.signal(sem["q"])
-        for j, t0 in enumerate(starts):
-            n = min(T, span - t0)
-            g = fl.g + len(tiles)
-            buf = kvb[g % nbuf].sub(0, 0, n, W)
-            if g >= nbuf:  # the matrix unit is done with this buffer's previous tile
-                core.dma[0].wait(fl.pv_done, g - nbuf + 1)
-            core.dma[0].load(buf, kv_h.sub(b * cap + t0, 0, n, W))
-            core.dma[0].signal(sem["kv"])
-            last = j == len(starts) - 1
-
-            def scores(acc, g=g, buf=buf, qb=qb, it=it, j=j, last=last):
-                if j == 0:
-                    core.mxu.wait(sem["q"], it + 1)
-                core.mxu.wait(sem["kv"], g + 1)
-                core.mxu.matmul_t(acc, qb, buf, mode="overwrite")
-                if last:
-                    core.mxu.signal(sem["q_used"])
-
-            def pv(acc, p, buf=buf):
-                core.mxu.matmul(acc, p, buf.sub(0, 0, buf.rows, R), mode="overwrite")
-
-            def finish(o, linv, it=it, b=b, h0=h0, nh=nh):
-                ob = obuf[it % 2].sub(0, 0, nh, R)
-                if it >= 2:  # item it-2's o_lat has been stored
-                    core.vpu.wait(sem["o_stored"], it - 1)
-                core.vpu.mul(ob, o, linv)
-                core.vpu.signal(sem["o_ready"])
-                core.dma[2].wait(sem["o_ready"], it + 1)
-                core.dma[2].store(olat_h.sub(b * H + h0, 0, nh, R), ob)
-                core.dma[2].signal(sem["o_stored"])
-
-            tiles.append(FlashTile(nh, n, 0, j == 0, last, scores, pv, finish,
-                                    pad_cols=span - C if last else 0, loop=it))
-    fl.run(tiles, period=math.lcm(2, nbuf))
-    core.dma[2].signal(done)
-
 
 # --- decode: the emitter, the stand-alone program, the kernel's tensors ------------------------
 def emit_mla_decode(ctx: EmitCtx, shape: dict[str, Any], q: TensorRef, kv_cache: TensorRef, w_kv_b: TensorRef,
@@ -848,7 +441,7 @@ def emit_mla_decode(ctx: EmitCtx, shape: dict[str, Any], q: TensorRef, kv_cache:
     ``{"out": ...}``.
     """
     out = out or Out.onchip()
-    d, plan = _plan_mla_decode(shape, ctx.spec, ctx.budget, qpe_heads=not q.in_hbm, keep_out=not out.in_hbm)
+    d, plan = plan_mla_decode(shape, ctx.spec, ctx.budget, qpe_heads=not q.in_hbm, keep_out=not out.in_hbm)
     want = {"q": (d.b, d.h * d.d), "kv_cache": (d.b * d.cap, d.w), "w_kv_b": (d.h * (d.n + d.v), d.r)}
     for name, ref in (("q", q), ("kv_cache", kv_cache), ("w_kv_b", w_kv_b)):
         if ref.shape != want[name] or ref.dtype != "bf16" or ref.is_mx:
@@ -858,9 +451,9 @@ def emit_mla_decode(ctx: EmitCtx, shape: dict[str, Any], q: TensorRef, kv_cache:
         raise InvalidArgumentError("mla-decode: kv_cache and w_kv_b must be HBM tensors")
     if out.in_hbm and out.ref.shape != (d.b, d.h * d.v):
         raise InvalidArgumentError(f"mla-decode: out must be [{d.b}, {d.h * d.v}], got {list(out.ref.shape)}")
-    if isinstance(plan, _DecodePlan):
+    if isinstance(plan, DecodePlan):
         return (yield from _emit_decode_v1(ctx, d, plan, q, kv_cache, w_kv_b, out))
-    return (yield from _emit_decode_small(ctx, d, plan, q, kv_cache, w_kv_b, out, q_lat, o_lat))
+    return (yield from emit_decode_small(ctx, d, plan, q, kv_cache, w_kv_b, out, q_lat, o_lat))
 
 
 def mla_decode_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, ...]:
@@ -868,12 +461,12 @@ def mla_decode_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpe
     stand-alone program allocates it as [batch*q_heads, nope+rope]), kv_cache and w_kv_b
     (weights: the cache is read), out (output, [batch, q_heads*v_head_dim]), and on the
     small-scratchpad tiling the q_lat and o_lat staging (scratch)."""
-    d, plan = _plan_mla_decode(shape, spec, Budget.of(spec))
+    d, plan = plan_mla_decode(shape, spec, Budget.of(spec))
     specs = [TensorSpec("q", (d.b, d.h * d.d), "bf16", "input"),
              TensorSpec("kv_cache", (d.b * d.cap, d.w), "bf16", "weight"),
              TensorSpec("w_kv_b", (d.h * (d.n + d.v), d.r), "bf16", "weight"),
              TensorSpec("out", (d.b, d.h * d.v), "bf16", "output")]
-    if not isinstance(plan, _DecodePlan):
+    if not isinstance(plan, DecodePlan):
         specs += [TensorSpec("q_lat", (d.b * d.h, d.r), "bf16", "scratch"),
                   TensorSpec("o_lat", (d.b * d.h, d.r), "bf16", "scratch")]
     return tuple(specs)
@@ -883,9 +476,9 @@ def build_mla_decode(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     """Absorbed MLA decode: ``batch`` sequences, one query token each, ``context`` cached tokens
     (any number >= 1) in a latent cache of ``capacity`` rows per sequence (see the module doc):
     the emitter with every tensor in HBM."""
-    d, plan = _plan_mla_decode(shape, spec, Budget.of(spec))  # refuse before building
+    d, plan = plan_mla_decode(shape, spec, Budget.of(spec))  # refuse before building
     B, C, cap, H = d.b, d.c, d.cap, d.h
-    small = not isinstance(plan, _DecodePlan)
+    small = not isinstance(plan, DecodePlan)
     kb = KernelBuilder(f"mla_decode_b{B}_c{C}_h{H}" + (f"_cap{cap}" if cap != C else "")
                        + ("_small" if small else ""), chip=spec)
     refs: dict[str, TensorRef] = {}

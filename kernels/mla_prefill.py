@@ -77,7 +77,8 @@ _MAX_PREFILL_TILE = 256  # query/key tile: two 128-row passes; fewer, larger til
 @dataclass(frozen=True)
 class _Pre(LatentDims):
     """A checked mla-prefill shape: ``b`` sequences each adding ``s`` tokens after ``prior``
-    cached ones (``c`` = prior + s tokens in ``cap`` rows per sequence), dims as ``mla_decode_plan.DecodeDims``."""
+    cached ones (``c`` = prior + s tokens in ``cap`` rows per sequence), dims as
+    ``mla_decode_plan.DecodeDims``."""
 
     b: int
     s: int

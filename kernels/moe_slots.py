@@ -421,7 +421,7 @@ class _Program:
         """DMA queue 0: each item's chunk, loaded (shared) or gathered by its slot's expert id, in
         two pieces: its gate|up segment (``loaded_gu``), which the matrix unit needs first, then
         the rest (down projection and biases: ``loaded``). A routed item's rest goes after the
-        next routed item's gate|up (but the last item's), the order the matrix unit takes them in
+        next routed item's gate|up, the order the matrix unit takes them in
         (gate|up of n + 1 before the down projection of n): a core's port sends in order, so the
         rest queued first would hold back the gate|up the unit waits for. ``prefetch``: only the
         leading shared items whose buffers are fresh; returns how many."""
@@ -434,16 +434,14 @@ class _Program:
         # or more buffers and LOOKAHEAD >= 2: item n's waits reach back to item n - 2 at most.
         # Only on a core with items beyond the pipeline's fill: the gain is per item in the steady
         # state, the cost (the last loads land in another order) once (gpt-oss-120b at batch 1,
-        # 2-3 items a core: 0.5 us slower; at batch 64, 26-27 items: 2.5 us faster).
+        # 2-3 items a core: 0.5 us slower; at batch 64, 26-27 items: 2.7 us faster).
         held: Callable[[], None] | None = None
         hold = self._gate_up_first and p.nbuf >= 2 and LOOKAHEAD >= 2 and len(items) > p.nbuf + LOOKAHEAD
         for n in range(start, len(items)):
             is_shared, slot, j = items[n]
             if prefetch and (n >= p.nbuf or not is_shared):
                 return n
-            if held is not None and (is_shared or n == len(items) - 1):
-                # The last item's gate|up goes after the rest before it: once every piece has
-                # landed only the last down projection is left, as when the loads lead.
+            if held is not None and is_shared:
                 held()
                 held = None
             size, gu = p.chunk_sizes[j], gu_bytes(p.h, p.slices[j][1])

@@ -420,11 +420,12 @@ class _Program:
     def _emit_loads(self, c: int, prefetch: bool) -> int:
         """DMA queue 0: each item's chunk, loaded (shared) or gathered by its slot's expert id, in
         two pieces: its gate|up segment (``loaded_gu``), which the matrix unit needs first, then
-        the rest (down projection and biases: ``loaded``). A routed item's rest goes after the
-        next routed item's gate|up, the order the matrix unit takes them in
-        (gate|up of n + 1 before the down projection of n): a core's port sends in order, so the
-        rest queued first would hold back the gate|up the unit waits for. ``prefetch``: only the
-        leading shared items whose buffers are fresh; returns how many."""
+        the rest (down projection and biases: ``loaded``). Where the matrix unit paces the core
+        and it has items past the pipeline's fill, a routed item's rest goes after the next
+        routed item's gate|up, the order the unit takes them in (gate|up of n + 1 before the
+        down projection of n): a core's port sends in order, so the rest queued first would
+        hold back the gate|up the unit waits for. ``prefetch``: only the leading shared items
+        whose buffers are fresh; returns how many."""
         p, B = self.p, self.B[c]
         q0, sem = self.q(c, 0), B["sem"]
         items = p.core_items(c)

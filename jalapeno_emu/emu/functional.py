@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jalapeno_emu.emu.batching import batch_schedule
 from jalapeno_emu.emu.compile_cache import ensure_default_compile_cache
 from jalapeno_emu.emu.memory_layout import MemoryLayout
 from jalapeno_emu.emu.progress import ProgressFn, report_interval, resolve_progress
@@ -105,10 +106,13 @@ class _Exec:
     they are only known inside the compiled function.
     """
 
-    def __init__(self, ins: Instruction, locs: dict[str, tuple[str, Any]]) -> None:
+    def __init__(self, ins: Instruction, locs: dict[str, tuple[str, Any]], *, capture: bool = False) -> None:
         self.ins = ins
         self.locs = locs
         self.flags: list[jax.Array] = []  # bool scalars; the messages are _flag_messages(ins)
+        # capture: writes are recorded (operand name, bytes) instead of applied, for a batch
+        # that reads the memory first and writes afterwards (every op reads before it writes).
+        self.written: list[tuple[str, jax.Array]] | None = [] if capture else None
 
     def raw(self, state: State, name: str) -> jax.Array:
         key, off = self.locs[name]
@@ -121,6 +125,9 @@ class _Exec:
         return self.get(state, name).astype(jnp.float32)
 
     def put_raw(self, state: State, name: str, raw: jax.Array) -> None:
+        if self.written is not None:
+            self.written.append((name, raw))
+            return
         key, off = self.locs[name]
         state[key] = _write_bytes(state[key], off, self.ins.arg(name), raw)
 
@@ -320,8 +327,9 @@ def _init_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
 
 def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str, Any],
                      debug: bool) -> dict[str, np.ndarray]:
+    """The HBM arrays' first contents (``.init`` fills, then ``inputs``), by array name."""
     fill = 0xFF if debug else 0
-    bufs = {k: np.full(n, fill, np.uint8) for k, n in layout.backing.items()}
+    bufs = {k: np.full(n, fill, np.uint8) for k, n in layout.backing.items() if k.startswith("hbm:")}
     tensors = dict(dict(program.meta).get("tensors", {}))
     for init in program.inits:
         alloc = _hbm_alloc(program, init.name)
@@ -495,6 +503,51 @@ def _compile_instruction(sig: _Signature, example: Instruction) -> Callable:
     return jax.jit(fn, donate_argnums=0)
 
 
+def _batched_instruction(sig: _Signature, ins: Instruction, size: int) -> Callable:
+    """The jitted (buffers..., offsets[size, tiles]) -> (buffers..., flags[size, n]) running
+    ``size`` instructions of ``sig`` (``ins`` one of them) as one batch: every one reads the
+    buffers as they were, then their writes land in order (``emu.batching``)."""
+    key = (sig, size)
+    fn = _by_batch.pop(key, None)
+    if fn is None:
+        if len(_by_batch) >= _COMPILED_MAX:
+            del _by_batch[next(iter(_by_batch))]
+        fn = _compile_batched(sig, _canonical(ins), size)
+    _by_batch[key] = fn
+    return fn
+
+
+def _compile_batched(sig: _Signature, example: Instruction, size: int) -> Callable:
+    tile_names = [name for name, v in example.args if isinstance(v, Tile)]
+    slot_of = {p[0]: p[1] for p in sig[1:] if isinstance(p, tuple) and len(p) == 8}
+    n_slots = 1 + max(slot_of.values(), default=-1)
+    position = {name: i for i, name in enumerate(tile_names)}
+    order: list[str] = []  # the operands one instruction writes, in its order (set when traced)
+
+    def one(buffers: tuple[jax.Array, ...], offsets: jax.Array):
+        state = {f"s{i}": b for i, b in enumerate(buffers)}
+        locs = {name: (f"s{slot_of[name]}", offsets[i]) for i, name in enumerate(tile_names)}
+        ex = _Exec(example, locs, capture=True)
+        ex.run(state)
+        order[:] = [name for name, _ in ex.written]
+        flags = jnp.stack(ex.flags) if ex.flags else jnp.zeros((0,), bool)
+        return tuple(raw for _, raw in ex.written), flags
+
+    def fn(buffers: tuple[jax.Array, ...], offsets: jax.Array):
+        raws, flags = jax.vmap(one, in_axes=(None, 0))(buffers, offsets)
+
+        def land(b, state):
+            state = list(state)
+            for name, raw in zip(order, raws, strict=True):
+                s = slot_of[name]
+                state[s] = _write_bytes(state[s], offsets[b, position[name]], example.arg(name), raw[b])
+            return tuple(state)
+
+        return lax.fori_loop(0, size, land, tuple(buffers[:n_slots])), flags
+
+    return jax.jit(fn, donate_argnums=0)
+
+
 def _flag_messages(ins: Instruction) -> list[str]:
     if ins.mnemonic == "dma.gather":
         src = ins.arg("src")
@@ -510,8 +563,8 @@ COMPILE_MODES = ("instruction", "program")
 
 def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
                    debug: bool = False, schedule_seed: int | None = None,
-                   compile: str = "instruction", progress: ProgressFn | None = None
-                   ) -> FunctionalResult:
+                   compile: str = "instruction", progress: ProgressFn | None = None,
+                   batch: bool = True) -> FunctionalResult:
     """Execute ``program`` and return the memory contents.
 
     Args:
@@ -538,6 +591,10 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             compile="program" only at the start and the end (one call runs everything).
             Defaults to the enclosing ``emu.progress.reporting_progress`` callback, as pass
             ``"functional"``.
+        batch: with compile="instruction", run ``BATCH_MIN`` or more independent instructions of
+            one signature (a core's load, matmul, ... on many cores) as one vmapped call
+            (``emu.batching``): the same bytes, far fewer calls on a many-core chip. False: one
+            call per instruction.
 
     Returns:
         FunctionalResult with every buffer as a numpy uint8 array, and what each ``probe``
@@ -556,6 +613,10 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
     layout, plan = _plan(program, schedule_seed)
     bufs = _initial_buffers(program, layout, inputs or {}, debug)
     state = {k: jnp.asarray(v) for k, v in bufs.items()}
+    # On-chip memory starts uniform (the host writes nothing there): made on the device, not
+    # copied from a host array (16 MiB of scratchpads took 14 ms to copy).
+    state.update({k: jnp.full(n, 0xFF if debug else 0, jnp.uint8) for k, n in layout.backing.items()
+                  if not k.startswith("hbm:")})
     progress = resolve_progress(progress, "functional")
     total = len(plan)
     if progress is not None:
@@ -576,13 +637,17 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
     in_flight: dict[tuple[int, int], list[jax.Array]] = {}
     probed: dict[int, jax.Array] = {}
     every = report_interval(total)
-    for done, (idx, fn, slots, offsets) in enumerate(plan):
-        if progress is not None and done and done % every == 0:
+    done = reported = 0
+    for idx, fn, slots, offsets in _batched_plan(program, schedule_seed) if batch else plan:
+        if progress is not None and done - reported >= every:
             # JAX dispatches asynchronously (on an accelerator, far ahead): waiting makes the
             # count say how far the work has run, not how far the host has queued it. One wait
             # per 1% cost nothing measurable on CPU (gemm 2048^3 on tiny: 3.3-4.5 s either way).
             jax.block_until_ready(state)
             progress(done, total)
+            reported = done
+        members = idx if type(idx) is tuple else (idx,)
+        done += len(members)
         if fn is None:
             _run_link(program.instructions[idx], idx, layout, state, in_flight)
             continue
@@ -592,9 +657,11 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         new, flags = fn(tuple(state[k] for k in slots), offsets)
         for k, b in zip(slots, new, strict=True):
             state[k] = b
-        if flags.shape[0] and bool(np.asarray(flags).any()):
-            ins = program.instructions[idx]
-            raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
+        if flags.size and bool(np.asarray(flags).any()):
+            hit = np.asarray(flags).reshape(len(offsets) if len(members) > 1 else 1, -1).any(axis=1)
+            at = members[min(int(np.argmax(hit)), len(members) - 1)]
+            ins = program.instructions[at]
+            raise OutOfBounds(_flag_messages(ins)[0], index=at, engine=str(ins.engine),
                               source=ins.source)
     result = FunctionalResult(program, layout, _trimmed(layout, state),
                               *_probe_values(program, probed))
@@ -605,8 +672,12 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
 
 def _trimmed(layout: MemoryLayout, state: State) -> dict[str, np.ndarray]:
     """Each buffer's bytes as a numpy array of its own size (without the backing's rounding)."""
-    sizes = layout.sizes
-    return {k: np.asarray(v)[:sizes[k]] for k, v in state.items()}
+    arrays = {k: np.asarray(v) for k, v in state.items()}
+    out = {}
+    for name in layout.sizes:
+        key, lo, hi = layout.core_range(name)
+        out[name] = arrays[key][lo:hi]
+    return out
 
 
 @functools.lru_cache(maxsize=32)  # a tiny model's decode step runs about 10 distinct programs
@@ -673,6 +744,55 @@ def _plan(program: Program, seed: int | None = None) -> tuple[MemoryLayout, list
 _NO_DATA = frozenset({"sem.signal", "sem.wait", "barrier"})
 _COMPILED_MAX = 1024
 _by_signature: dict[_Signature, Callable] = {}  # signature -> compiled function, least recent first
+_by_batch: dict[tuple[_Signature, int], Callable] = {}  # (signature, batch size) -> batched function
+BATCH_MIN = 4
+"""Independent same-signature instructions below this many run one call each: a batch compiles
+a function of its own (per power-of-two size), which two instructions rarely earn back."""
+
+
+def _batch_size(n: int) -> int:
+    """The compiled batch size for n instructions: the next power of two (a batch is padded by
+    repeating its last instruction, which reads and writes what it did: the same bytes again)."""
+    return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _batched_plan(program: Program, seed: int | None = None) -> list[tuple]:
+    """``_plan``'s entries as calls: (index, fn, buffer keys, offsets) for one instruction as in
+    ``_plan``, or (indices, batched fn, buffer keys, offsets[size, tiles]) for a batch of
+    ``BATCH_MIN`` or more independent instructions of one signature (``emu.batching``)."""
+    layout, plan = _plan(program, seed)
+    arrays: dict[str, int] = {}
+    groups: list[Any] = []
+    reads: list[list[tuple[int, int, int]]] = []
+    writes: list[list[tuple[int, int, int]]] = []
+    sigs: list[Any] = []
+    for idx, fn, slots, _ in plan:
+        ins = program.instructions[idx]
+        r: list[tuple[int, int, int]] = []
+        w: list[tuple[int, int, int]] = []
+        for _, t, writes_t in ins.tiles():
+            key, off = layout.locate(t, index=idx, ins=ins)
+            span = (arrays.setdefault(key, len(arrays)), off, off + (t.rows - 1) * t.stride + t.row_bytes)
+            (w if writes_t else r).append(span)
+            if writes_t and ins.mnemonic in ("mxu.matmul", "mxu.matmul_t"):
+                r.append(span)  # accumulate mode reads acc too
+        reads.append(r)
+        writes.append(w)
+        callable_fn = fn is not None and fn is not _PROBE
+        groups.append((id(fn), slots) if callable_fn else None)
+        sigs.append(_signature(ins, layout, idx)[0] if callable_fn else None)
+    out: list[tuple] = []
+    for call in batch_schedule(groups, reads, writes):
+        if len(call) < BATCH_MIN:
+            out.extend(plan[e] for e in call)
+            continue
+        first = plan[call[0]]
+        size = _batch_size(len(call))
+        offsets = np.stack([plan[e][3] for e in call] + [plan[call[-1]][3]] * (size - len(call)))
+        fn = _batched_instruction(sigs[call[0]], program.instructions[first[0]], size)
+        out.append((tuple(plan[e][0] for e in call), fn, first[2], offsets))
+    return out
 _PROBE = "probe"  # the plan's marker for a probe (its entry: index, _PROBE, template, location)
 
 

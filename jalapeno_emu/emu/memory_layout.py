@@ -3,14 +3,18 @@
 Stage: emulator (memory), for ``functional.py``. Memory is byte-addressed, exactly as the chip
 sees it: one flat uint8 buffer per HBM allocation (so only what is allocated is backed by host
 memory), one per core's scratchpad and one per core's accumulator memory, each up to the highest
-byte the program touches.
+byte the program touches (``sizes``, the buffers a ``FunctionalResult`` returns).
 
-A buffer is backed by a few bytes more than it holds (its size rounded up to a power of two, or to
-an eighth of one above 1 MiB; every core's scratchpad as large as the largest): the functional
-pass compiles one function per instruction *signature*, which includes its buffers' sizes, so
-the same instruction on any core, or on buffers of nearby sizes, is then one signature (a fused
-tiny-gpt-oss prefill step: 443 signatures with exact sizes, 113 rounded), and each compilation,
-even one JAX's persistent cache holds, costs about 15 ms of tracing and lowering.
+The functional pass keeps them in fewer, larger arrays (``backing``): each HBM allocation in one
+of its own, a few bytes larger than it holds (its size rounded up to a power of two, or to an
+eighth of one above 1 MiB), and the scratchpads of the cores the program uses in one array "sram"
+(accumulators: "acc"), the k-th of them at byte ``k * core_stride[space]``, the stride the largest
+core's bytes rounded up, the count rounded up to a power of two. The pass compiles one function
+per instruction *signature*, which includes its arrays' sizes and not where in them its tiles
+sit, so the same instruction on any core, or on buffers of nearby sizes, is one signature (a
+fused tiny-gpt-oss prefill step: 443 signatures with exact sizes, 113 rounded; each compilation,
+even one JAX's persistent cache holds, costs about 15 ms of tracing and lowering), and
+independent instructions of one signature on many cores run as one batched call.
 """
 
 from __future__ import annotations
@@ -71,15 +75,37 @@ class MemoryLayout:
         return self.buffers()
 
     @functools.cached_property
+    def core_stride(self) -> dict[str, int]:
+        """Space ("sram", "acc") -> bytes between two cores' memories in its array: the largest
+        core's bytes rounded up (:func:`backing_bytes`)."""
+        return {space: backing_bytes(max((n for _, n in per_core), default=1))
+                for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes))}
+
+    @functools.cached_property
     def backing(self) -> dict[str, int]:
-        """Buffer name -> bytes of the array backing it: an HBM allocation's size rounded up
-        (:func:`backing_bytes`); every core's scratchpad (and accumulators) the largest of them,
-        rounded up, so that the same instruction on any core is one signature."""
+        """Array name -> bytes: "hbm:NAME" an HBM allocation's size rounded up
+        (:func:`backing_bytes`); "sram" and "acc" every core's memory at ``core_stride`` apart,
+        for a power of two of cores (absent when no core uses the space)."""
         out = {k: backing_bytes(n) for k, n in self.sizes.items() if k.startswith("hbm:")}
         for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes)):
-            top = backing_bytes(max((n for _, n in per_core), default=1))
-            out.update({f"{space}:{c}": top for c, _ in per_core})
+            if per_core:
+                out[space] = (1 << (len(per_core) - 1).bit_length()) * self.core_stride[space]
         return out
+
+    @functools.cached_property
+    def _core_base(self) -> dict[tuple[str, int], int]:
+        """(space, core) -> first byte of that core's memory in the space's array."""
+        return {(space, c): k * self.core_stride[space]
+                for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes))
+                for k, (c, _) in enumerate(per_core)}
+
+    def core_range(self, name: str) -> tuple[str, int, int]:
+        """(array name, first byte, end) of buffer ``name`` of ``sizes`` within ``backing``."""
+        if name.startswith("hbm:"):
+            return name, 0, self.sizes[name]
+        space, core = name.split(":")
+        base = self._core_base[(space, int(core))]
+        return space, base, base + self.sizes[name]
 
     def buffers(self) -> dict[str, int]:
         """Buffer name -> size in bytes."""
@@ -90,7 +116,8 @@ class MemoryLayout:
 
     def locate(self, tile: Tile, *, index: int | None = None, ins: Instruction | None = None
                ) -> tuple[str, int]:
-        """(buffer name, offset within it) of ``tile``; raises OutOfBounds if it is not backed."""
+        """(array name in ``backing``, offset within it) of ``tile``; raises OutOfBounds if it is
+        not backed."""
         if tile.space is Space.HBM:
             # The allocation starting at or before the tile is the only candidate when
             # allocations do not overlap; the scan keeps hand-written overlapping ones working.
@@ -103,7 +130,8 @@ class MemoryLayout:
                 "HBM tile is not inside one allocation", index=index,
                 engine=str(ins.engine) if ins else None, source=ins.source if ins else None,
                 addresses=(tile.region(),), hint="allocate the tensor first (.alloc / kb.hbm)")
-        return f"{tile.space.value}:{tile.core}", tile.offset
+        space = tile.space.value
+        return space, self._core_base[(space, tile.core)] + tile.offset
 
 
 def backing_bytes(n: int) -> int:

@@ -222,7 +222,8 @@ def test_buffers_come_back_at_their_own_size_and_cores_share_compiled_functions(
     result = run_functional(prog, {"x": data})
     layout = functional.MemoryLayout.of(prog)
     assert {k: v.size for k, v in result.buffers.items()} == layout.sizes
-    assert layout.backing["hbm:x"] == 512 and layout.backing["sram:0"] == layout.backing["sram:1"]
+    assert layout.backing["hbm:x"] == 512 and layout.backing["sram"] == 2 * layout.core_stride["sram"]
+    assert layout.locate(bufs[1]) == ("sram", layout.core_stride["sram"] + bufs[1].offset)
     np.testing.assert_allclose(result.read("y"), np.exp(data), rtol=1e-6)  # (XLA's exp: 1 ulp)
     _, plan = functional._plan(prog)
     exps = [fn for idx, fn, _, _ in plan if prog.instructions[idx].mnemonic == "vec.unary"]

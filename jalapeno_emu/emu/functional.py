@@ -43,7 +43,7 @@ from jalapeno_emu.mx.quantize import _quantize_jit
 __all__ = ["FunctionalResult", "MemoryLayout", "Readable", "inorder_block_matmul", "run_functional",
            "sequential_row_sum"]
 
-State = dict[str, jax.Array]
+State = dict[str, Any]  # array name -> bytes: a jax.Array, or a numpy array not yet read
 
 
 # --- bytes <-> values -----------------------------------------------------------------------
@@ -274,8 +274,11 @@ _BINARY: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
 
 
 # --- running a program ----------------------------------------------------------------------
-def _hbm_alloc(program: Program, name: str) -> Allocation:
-    hit = _hbm_by_name(program).get(name)
+def _hbm_alloc(program: Program, name: str, by_name: Mapping[str, Allocation] | None = None) -> Allocation:
+    """HBM allocation ``name`` (``by_name``: ``_hbm_by_name(program)``, when the caller has it:
+    each lookup of the cache compares programs that are equal but not the same object, field by
+    field, which cost a tiny decode step 5 ms when done per input)."""
+    hit = (_hbm_by_name(program) if by_name is None else by_name).get(name)
     if hit is not None:
         return hit
     names = sorted(a.name for a in program.allocations if a.space is Space.HBM)
@@ -331,8 +334,9 @@ def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str
     fill = 0xFF if debug else 0
     bufs = {k: np.full(n, fill, np.uint8) for k, n in layout.backing.items() if k.startswith("hbm:")}
     tensors = dict(dict(program.meta).get("tensors", {}))
+    by_name = _hbm_by_name(program)
     for init in program.inits:
-        alloc = _hbm_alloc(program, init.name)
+        alloc = _hbm_alloc(program, init.name, by_name)
         dt = DTYPES[init.dtype]
         count = alloc.nbytes * 8 // dt.bits
         if init.kind == "normal":
@@ -344,11 +348,34 @@ def _initial_buffers(program: Program, layout: MemoryLayout, inputs: Mapping[str
     for name, value in inputs.items():
         if isinstance(value, MXArray):
             _check_mx_input(tensors, name, value)
-            _write_input(program, bufs, tensors, name, np.asarray(value.codes))
-            _write_input(program, bufs, tensors, f"{name}.scales", np.asarray(value.scales))
+            _write_input(program, bufs, tensors, name, np.asarray(value.codes), by_name)
+            _write_input(program, bufs, tensors, f"{name}.scales", np.asarray(value.scales), by_name)
         else:
-            _write_input(program, bufs, tensors, name, value)
+            _write_input(program, bufs, tensors, name, value, by_name)
     return bufs
+
+
+def _initial_state(program: Program, layout: MemoryLayout, inputs: Mapping[str, Any],
+                   debug: bool) -> State:
+    """Every array's first contents: HBM from ``_initial_buffers``, on-chip memory uniform.
+
+    The HBM arrays stay numpy arrays: the first compiled call that reads one moves it to the
+    device inside jit's own dispatch (about 15 us an array, where ``jnp.asarray`` took 45 us; a
+    tiny model's decode step stages about 300 of them). On-chip memory is made on the device by
+    one compiled call per set of sizes (the host writes nothing there: 16 MiB of scratchpads took
+    14 ms to copy, and one ``jnp.full`` per array cost 150 us).
+    """
+    state: State = dict(_initial_buffers(program, layout, inputs, debug))
+    onchip = tuple((k, n) for k, n in layout.backing.items() if not k.startswith("hbm:"))
+    made = _uniform_arrays(tuple(n for _, n in onchip), 0xFF if debug else 0)()
+    state.update(zip((k for k, _ in onchip), made, strict=True))
+    return state
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_arrays(sizes: tuple[int, ...], fill: int) -> Callable[[], tuple[jax.Array, ...]]:
+    """A compiled () -> uint8 arrays of ``sizes`` bytes, every byte ``fill``."""
+    return jax.jit(lambda: tuple(jnp.full(n, fill, jnp.uint8) for n in sizes))
 
 
 def _expected(dtype: str, shape: tuple[int, int]) -> str:
@@ -398,8 +425,8 @@ def _transposed_hint(got: tuple[int, ...], shape: tuple[int, int]) -> str | None
     return None
 
 
-def _write_input(program, bufs, tensors, name, value) -> None:
-    alloc = _hbm_alloc(program, name)
+def _write_input(program, bufs, tensors, name, value, by_name) -> None:
+    alloc = _hbm_alloc(program, name, by_name)
     if name in tensors:
         dtype = tensors[name][0]
         data = _to_bytes(_checked_input(name, value, *tensors[name]), dtype)
@@ -611,12 +638,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
         raise InvalidArgumentError(f"compile={compile!r} is not one of {COMPILE_MODES}")
     ensure_default_compile_cache()
     layout, plan = _plan(program, schedule_seed)
-    bufs = _initial_buffers(program, layout, inputs or {}, debug)
-    state = {k: jnp.asarray(v) for k, v in bufs.items()}
-    # On-chip memory starts uniform (the host writes nothing there): made on the device, not
-    # copied from a host array (16 MiB of scratchpads took 14 ms to copy).
-    state.update({k: jnp.full(n, 0xFF if debug else 0, jnp.uint8) for k, n in layout.backing.items()
-                  if not k.startswith("hbm:")})
+    state: State = _initial_state(program, layout, inputs or {}, debug)
     progress = resolve_progress(progress, "functional")
     total = len(plan)
     if progress is not None:

@@ -243,9 +243,14 @@ class DieModel:
         logits = self.run(logits_launch, {"x": y, "w": self.w.unembed})["y"]
         wall = time.perf_counter() - t0
         self.length += s
-        timing = (self.timer.time_launches(head_launches(cfg, step), layer=-1, kind="head"),
-                  *(self.timer.time_launches(p, layer=i, kind="layer") for i, p in enumerate(plans)),
-                  self.timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail"))
+        # The timer times what ran: each launch's program as built above (an attention launch's
+        # context grows every step, so it is new each step and would be built twice).
+        built = {k: v.build for k, v in self._builds.items()}
+        timing = (self.timer.time_launches(head_launches(cfg, step), layer=-1, kind="head", builds=built),
+                  *(self.timer.time_launches(p, layer=i, kind="layer", builds=built)
+                    for i, p in enumerate(plans)),
+                  self.timer.time_launches(tail_launches(cfg, step), layer=cfg.layers, kind="tail",
+                                           builds=built))
         totals = sum_timings([k for lt in timing for k in lt.kernels], self.spec)
         return StepResult(logits=np.asarray(logits, np.float32), step=step, timing=timing, totals=totals,
                           wall_s=wall)

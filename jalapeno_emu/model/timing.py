@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -195,12 +195,19 @@ class StepTimer:
         """How many distinct launches were built and timed so far."""
         return len(self._cache)
 
-    def time_launch(self, launch: Launch) -> tuple[KernelTiming, Timeline]:
-        """Time one launch (cached by kernel and shape)."""
+    def time_launch(self, launch: Launch, builds: Mapping[tuple[str, tuple], Any] | None = None
+                    ) -> tuple[KernelTiming, Timeline]:
+        """Time one launch (cached by kernel and shape).
+
+        ``builds``: (kernel, shape) -> a ``KernelBuild`` of that launch already made on this
+        timer's spec (a functional run's), used instead of building it again.
+        """
         key = (launch.kernel, launch.shape)
         hit = self._cache.get(key)
         if hit is None:
-            build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
+            build = builds.get(key) if builds is not None else None
+            if build is None:
+                build = get_kernel(launch.kernel).build(launch.shape_dict, self.spec)
             if self.safety_checks:
                 from jalapeno_emu.emu.check import check_program
 
@@ -214,10 +221,11 @@ class StepTimer:
                             why=s["why"], critical_engine=s["critical_engine"],
                             cores_used=s["cores_used"]), timeline
 
-    def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str) -> LayerTiming:
-        """Time launches run back to back as one group."""
+    def time_launches(self, launches: Iterable[Launch], *, layer: int, kind: str,
+                      builds: Mapping[tuple[str, tuple], Any] | None = None) -> LayerTiming:
+        """Time launches run back to back as one group (``builds``: see ``time_launch``)."""
         with gc_paused():
-            timed = [self.time_launch(x) for x in launches]
+            timed = [self.time_launch(x, builds) for x in launches]
         kernels = tuple(k for k, _ in timed)
         return LayerTiming(layer=layer, kind=kind, kernels=kernels, totals=sum_timings(kernels, self.spec),
                            timelines=tuple(t for _, t in timed))

@@ -146,3 +146,30 @@ def test_builds_of_earlier_contexts_are_dropped():
     for t in range(3):
         fused.forward(np.array([[t]]))
         assert {key[0].context for key in fused._fused._builds} == {t + 1}
+
+
+def test_the_step_is_timed_on_the_programs_it_ran(monkeypatch):
+    """Launch by launch, the timer takes each program the step ran instead of building it again
+    (an attention launch is new every step), and its figures are a fresh timer's."""
+    import jalapeno_emu.model.timing as timing
+    from jalapeno_emu.model.plan import head_launches, layer_launches, tail_launches
+
+    cfg = load_model_config("tiny-gpt-oss")
+    die = DieModel(cfg, init_weights(cfg, 0), batch=1, max_positions=34, preset="tiny", fusion="none",
+                   compile="instruction")
+    die.forward(np.arange(32)[None, :])
+    fresh = timing.StepTimer("tiny")
+    real = timing.get_kernel
+    by_timer = []
+    monkeypatch.setattr(timing, "get_kernel", lambda name: by_timer.append(name) or real(name))
+    step = die.forward(np.array([[3]]))
+    assert by_timer == []  # the attention and append of this context: built once, by the run
+    st = step.step
+    launches = {x.label: x for x in (*head_launches(cfg, st),
+                                     *(x for i in range(cfg.layers) for x in layer_launches(cfg, i, st)),
+                                     *tail_launches(cfg, st))}
+    for lt in step.timing:
+        for k in lt.kernels:
+            want, _ = fresh.time_launch(launches[k.label])
+            assert (k.time_s, k.hbm_bytes, k.flops) == (want.time_s, want.hbm_bytes, want.flops)
+    assert "attention-decode" in by_timer  # (the fresh timer did build them)

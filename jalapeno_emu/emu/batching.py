@@ -3,8 +3,9 @@
 Stage: emulator, under ``functional.py``. The functional pass runs a Program's data instructions in
 ``schedule.sequential_order``, one jitted call each. On a chip of 64 cores most of them come in
 dozens of copies (each core's load of its weight slice, each core's matmul), which do not depend
-on each other: here they are gathered into *batches* that one vmapped call runs, with results
-identical to running them in order.
+on each other: here they are gathered into *batches* that one call runs (vectorised, or for
+matmuls one after another inside the call: ``functional._MAPPED``), with results identical to
+running them in order.
 
 A batch is instructions of one group (one compiled function over the same arrays) that all read
 the memory as it was before the batch and write it in their order. The schedule gives each

@@ -121,4 +121,7 @@ def test_a_kernel_on_many_cores_gives_the_same_bytes_batched():
         assert np.array_equal(batched.buffers[name], buf), name
     assert np.array_equal(batched.read("y").view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
     _, plan = functional._plan(b.program, None)
-    assert len(functional._batched_plan(b.program, None)) < len(plan)
+    calls = functional._batched_plan(b.program, None)
+    assert len(calls) < len(plan)
+    kinds = {b.program.instructions[idx[0]].mnemonic for idx, *_ in calls if type(idx) is tuple}
+    assert "mxu.matmul" in kinds and kinds & {"dma.load", "vec.acc_read"}  # mapped and vectorised

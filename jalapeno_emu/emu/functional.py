@@ -664,7 +664,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             ins = program.instructions[idx]
             raise OutOfBounds(_flag_messages(ins)[0], index=idx, engine=str(ins.engine),
                               source=ins.source)
-        return FunctionalResult(program, layout, _trimmed(layout, state),
+        return FunctionalResult(program, layout, _trimmed(layout, state, 0xFF if debug else 0),
                                 *_probe_values(program, dict(zip(probe_at, probed, strict=True))))
     in_flight: dict[tuple[int, int], list[jax.Array]] = {}
     probed: dict[int, jax.Array] = {}
@@ -695,20 +695,27 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             ins = program.instructions[at]
             raise OutOfBounds(_flag_messages(ins)[0], index=at, engine=str(ins.engine),
                               source=ins.source)
-    result = FunctionalResult(program, layout, _trimmed(layout, state),
+    result = FunctionalResult(program, layout, _trimmed(layout, state, 0xFF if debug else 0),
                               *_probe_values(program, probed))
     if progress is not None:
         progress(total, total)
     return result
 
 
-def _trimmed(layout: MemoryLayout, state: State) -> dict[str, np.ndarray]:
-    """Each buffer's bytes as a numpy array of its own size (without the backing's rounding)."""
+def _trimmed(layout: MemoryLayout, state: State, fill: int) -> dict[str, np.ndarray]:
+    """Each buffer's bytes as a numpy array of its own size: an HBM buffer a view of its array
+    (without the backing's rounding), a core's memory its runs in an array of ``fill`` bytes
+    (what memory no instruction touched still holds; zeros cost no host memory until written)."""
     arrays = {k: np.asarray(v) for k, v in state.items()}
     out = {}
-    for name in layout.sizes:
-        key, lo, hi = layout.core_range(name)
-        out[name] = arrays[key][lo:hi]
+    for name, size in layout.sizes.items():
+        if name.startswith("hbm:"):
+            out[name] = arrays[name][:size]
+            continue
+        buf = np.zeros(size, np.uint8) if fill == 0 else np.full(size, fill, np.uint8)
+        for key, lo, hi, at in layout.pieces(name):
+            buf[at:at + hi - lo] = arrays[key][lo:hi]
+        out[name] = buf
     return out
 
 

@@ -3,18 +3,22 @@
 Stage: emulator (memory), for ``functional.py``. Memory is byte-addressed, exactly as the chip
 sees it: one flat uint8 buffer per HBM allocation (so only what is allocated is backed by host
 memory), one per core's scratchpad and one per core's accumulator memory, each up to the highest
-byte the program touches (``sizes``, the buffers a ``FunctionalResult`` returns).
+byte the program allocates or touches (``sizes``, the buffers a ``FunctionalResult`` returns).
 
 The functional pass keeps them in fewer, larger arrays (``backing``): each HBM allocation in one
 of its own, a few bytes larger than it holds (its size rounded up to a power of two, or to an
-eighth of one above 1 MiB), and the scratchpads of the cores the program uses in one array "sram"
-(accumulators: "acc"), the k-th of them at byte ``k * core_stride[space]``, the stride the largest
-core's bytes rounded up, the count rounded up to a power of two. The pass compiles one function
-per instruction *signature*, which includes its arrays' sizes and not where in them its tiles
-sit, so the same instruction on any core, or on buffers of nearby sizes, is one signature (a
-fused tiny-gpt-oss prefill step: 443 signatures with exact sizes, 113 rounded; each compilation,
-even one JAX's persistent cache holds, costs about 15 ms of tracing and lowering), and
-independent instructions of one signature on many cores run as one batched call.
+eighth of one above 1 MiB), and the on-chip memory of every core in one array per space ("sram",
+"acc"). That array backs only the *runs* of each core's memory that instructions touch (every
+tile's first to last byte, runs closer than ``RUN_GAP_BYTES`` merged), packed one after another
+and rounded up like an HBM allocation: a fused step on 64 cores reaches the top of every 8 MiB
+scratchpad (512 MiB, 0.2-0.3 s to create each run) while touching a few MiB of it. Bytes no
+instruction touches keep their first value, which ``FunctionalResult`` fills in.
+
+The pass compiles one function per instruction *signature*, which includes its arrays' sizes and
+not where in them its tiles sit, so the same instruction on any core, or on buffers of nearby
+sizes, is one signature (a fused tiny-gpt-oss prefill step: 443 signatures with exact sizes, 113
+rounded; each compilation, even one JAX's persistent cache holds, costs about 15 ms of tracing and
+lowering), and independent instructions of one signature on many cores run as one batched call.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from jalapeno_emu.errors import OutOfBounds
 from jalapeno_emu.isa.program import Allocation, Instruction, Program, Tile
 from jalapeno_emu.isa.table import Space
 
-__all__ = ["MemoryLayout", "backing_bytes"]
+__all__ = ["RUN_GAP_BYTES", "MemoryLayout", "backing_bytes"]
+
+RUN_GAP_BYTES = 256
+"""Touched ranges of one core's memory this close are backed as one run: fewer runs to look up,
+at most this many bytes of gap backed per run."""
+
+_RUN_ALIGN = 64  # each run starts at a multiple of this in its array (whole bursts, aligned rows)
+
+Runs = tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # per core: (start, end) byte ranges
 
 
 @dataclass(frozen=True)
@@ -36,23 +48,29 @@ class MemoryLayout:
 
     Attributes:
         hbm: HBM allocations, sorted by offset (each its own buffer "hbm:NAME").
-        sram_bytes: per core, the scratchpad bytes backed ("sram:C").
-        acc_bytes: per core, the accumulator bytes backed ("acc:C").
+        sram_bytes: per core, the scratchpad bytes of its buffer ("sram:C").
+        acc_bytes: per core, the accumulator bytes of its buffer ("acc:C").
+        sram_runs, acc_runs: per core, the byte ranges instructions touch, sorted and disjoint:
+            what the "sram" and "acc" arrays back.
     """
 
     hbm: tuple[Allocation, ...]
     sram_bytes: tuple[tuple[int, int], ...]
     acc_bytes: tuple[tuple[int, int], ...]
+    sram_runs: Runs = ()
+    acc_runs: Runs = ()
 
     @staticmethod
     def of(program: Program) -> MemoryLayout:
-        """The layout a program needs: its HBM allocations, and SRAM/ACC up to the highest byte used."""
+        """The layout a program needs: its HBM allocations, SRAM/ACC up to the highest byte
+        allocated or used, and the runs of on-chip memory its instructions touch."""
         hbm = tuple(sorted((a for a in program.allocations if a.space is Space.HBM),
                            key=lambda a: a.offset))
         need: dict[tuple[Space, int], int] = {}
         for a in program.allocations:
             if a.space is not Space.HBM:
                 need[(a.space, a.core)] = max(need.get((a.space, a.core), 0), a.end)
+        spans: dict[tuple[Space, int], set[tuple[int, int]]] = {}
         off_chip = Space.HBM
         for ins in program.instructions:  # (the operands directly: a fused step has 30k of them)
             for _, t in ins.args:
@@ -61,9 +79,16 @@ class MemoryLayout:
                     end = t.end
                     if end > need.get(key, 0):
                         need[key] = end
+                    got = spans.get(key)
+                    if got is None:
+                        got = spans[key] = set()
+                    got.add((t.offset, end))
         sram = tuple(sorted((c, n) for (s, c), n in need.items() if s is Space.SRAM))
         acc = tuple(sorted((c, n) for (s, c), n in need.items() if s is Space.ACC))
-        return MemoryLayout(hbm, sram, acc)
+        runs = {key: _merged(v) for key, v in spans.items()}
+        return MemoryLayout(hbm, sram, acc,
+                            tuple(sorted((c, r) for (s, c), r in runs.items() if s is Space.SRAM)),
+                            tuple(sorted((c, r) for (s, c), r in runs.items() if s is Space.ACC)))
 
     @functools.cached_property
     def _hbm_offsets(self) -> list[int]:
@@ -75,37 +100,45 @@ class MemoryLayout:
         return self.buffers()
 
     @functools.cached_property
-    def core_stride(self) -> dict[str, int]:
-        """Space ("sram", "acc") -> bytes between two cores' memories in its array: the largest
-        core's bytes rounded up (:func:`backing_bytes`)."""
-        return {space: backing_bytes(max((n for _, n in per_core), default=1))
-                for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes))}
+    def _placed(self) -> tuple[dict[tuple[str, int], tuple[list[int], list[int], list[int]]], dict[str, int]]:
+        """((space, core) -> (run starts, run ends, their first bytes in the space's array)),
+        and each space's bytes of runs."""
+        where: dict[tuple[str, int], tuple[list[int], list[int], list[int]]] = {}
+        used: dict[str, int] = {}
+        for space, per_core in (("sram", self.sram_runs), ("acc", self.acc_runs)):
+            at = 0
+            for c, runs in per_core:
+                starts, ends, bases = [], [], []
+                for lo, hi in runs:
+                    starts.append(lo)
+                    ends.append(hi)
+                    bases.append(at)
+                    at += -(-(hi - lo) // _RUN_ALIGN) * _RUN_ALIGN
+                where[(space, c)] = (starts, ends, bases)
+            if per_core:
+                used[space] = at
+        return where, used
 
     @functools.cached_property
     def backing(self) -> dict[str, int]:
-        """Array name -> bytes: "hbm:NAME" an HBM allocation's size rounded up
-        (:func:`backing_bytes`); "sram" and "acc" every core's memory at ``core_stride`` apart,
-        for a power of two of cores (absent when no core uses the space)."""
+        """Array name -> bytes: "hbm:NAME" an HBM allocation's size rounded up, "sram" and "acc"
+        the runs of every core packed (each from a multiple of 64 bytes), rounded up alike
+        (:func:`backing_bytes`; absent when no instruction touches the space)."""
         out = {k: backing_bytes(n) for k, n in self.sizes.items() if k.startswith("hbm:")}
-        for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes)):
-            if per_core:
-                out[space] = (1 << (len(per_core) - 1).bit_length()) * self.core_stride[space]
+        for space, n in self._placed[1].items():
+            out[space] = backing_bytes(n)
         return out
 
-    @functools.cached_property
-    def _core_base(self) -> dict[tuple[str, int], int]:
-        """(space, core) -> first byte of that core's memory in the space's array."""
-        return {(space, c): k * self.core_stride[space]
-                for space, per_core in (("sram", self.sram_bytes), ("acc", self.acc_bytes))
-                for k, (c, _) in enumerate(per_core)}
-
-    def core_range(self, name: str) -> tuple[str, int, int]:
-        """(array name, first byte, end) of buffer ``name`` of ``sizes`` within ``backing``."""
+    def pieces(self, name: str) -> list[tuple[str, int, int, int]]:
+        """Where buffer ``name`` of ``sizes`` is backed: (array name, first byte there, end,
+        first byte in the buffer) per run (an HBM buffer: one piece, all of it)."""
         if name.startswith("hbm:"):
-            return name, 0, self.sizes[name]
+            return [(name, 0, self.sizes[name], 0)]
         space, core = name.split(":")
-        base = self._core_base[(space, int(core))]
-        return space, base, base + self.sizes[name]
+        hit = self._placed[0].get((space, int(core)))
+        if hit is None:
+            return []
+        return [(space, base, base + hi - lo, lo) for lo, hi, base in zip(*hit, strict=True)]
 
     def buffers(self) -> dict[str, int]:
         """Buffer name -> size in bytes."""
@@ -117,7 +150,7 @@ class MemoryLayout:
     def locate(self, tile: Tile, *, index: int | None = None, ins: Instruction | None = None
                ) -> tuple[str, int]:
         """(array name in ``backing``, offset within it) of ``tile``; raises OutOfBounds if it is
-        not backed."""
+        not backed (an on-chip tile no instruction of the program touches)."""
         if tile.space is Space.HBM:
             # The allocation starting at or before the tile is the only candidate when
             # allocations do not overlap; the scan keeps hand-written overlapping ones working.
@@ -131,7 +164,29 @@ class MemoryLayout:
                 engine=str(ins.engine) if ins else None, source=ins.source if ins else None,
                 addresses=(tile.region(),), hint="allocate the tensor first (.alloc / kb.hbm)")
         space = tile.space.value
-        return space, self._core_base[(space, tile.core)] + tile.offset
+        hit = self._placed[0].get((space, tile.core))
+        if hit is not None:
+            starts, ends, bases = hit
+            i = bisect.bisect_right(starts, tile.offset) - 1
+            if i >= 0 and tile.end <= ends[i]:
+                return space, bases[i] + tile.offset - starts[i]
+        raise OutOfBounds(
+            "on-chip tile is not in memory the program's instructions touch", index=index,
+            engine=str(ins.engine) if ins else None, source=ins.source if ins else None,
+            addresses=(tile.region(),))
+
+
+def _merged(spans: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted disjoint (start, end) ranges covering ``spans``, ranges less than
+    ``RUN_GAP_BYTES`` apart joined."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1] + RUN_GAP_BYTES:
+            if hi > out[-1][1]:
+                out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
 
 
 def backing_bytes(n: int) -> int:

@@ -222,8 +222,12 @@ def test_buffers_come_back_at_their_own_size_and_cores_share_compiled_functions(
     result = run_functional(prog, {"x": data})
     layout = functional.MemoryLayout.of(prog)
     assert {k: v.size for k, v in result.buffers.items()} == layout.sizes
-    assert layout.backing["hbm:x"] == 512 and layout.backing["sram"] == 2 * layout.core_stride["sram"]
-    assert layout.locate(bufs[1]) == ("sram", layout.core_stride["sram"] + bufs[1].offset)
+    # the two cores' touched runs (480 B each, from a multiple of 64 B) packed: 1 KiB; core 1's
+    # pad is allocated but untouched, so not backed, and reads as memory's first value
+    assert layout.backing["hbm:x"] == 512 and layout.backing["sram"] == 1024
+    assert layout.locate(bufs[1]) == ("sram", 512)
+    assert not result.read("pad", core=1).any()
+    assert run_functional(prog, {"x": data}, debug=True).read_bytes("pad", core=1).tolist() == [0xFF] * 160
     np.testing.assert_allclose(result.read("y"), np.exp(data), rtol=1e-6)  # (XLA's exp: 1 ulp)
     _, plan = functional._plan(prog)
     exps = [fn for idx, fn, _, _ in plan if prog.instructions[idx].mnemonic == "vec.unary"]
@@ -239,3 +243,34 @@ def test_a_program_hashes_once_and_again_where_it_is_unpickled():
     copy = pickle.loads(pickle.dumps(prog))
     assert "_hash" not in copy.__dict__  # a string's hash differs between processes
     assert copy == prog and hash(copy) == h
+
+
+def test_only_the_memory_instructions_touch_is_backed():
+    """A tile at the top of each 8 MiB scratchpad of 64 cores backs a few KiB, not 512 MiB; the
+    buffers come back at their full size with the values in place, and a tile the program never
+    touches has no backing to locate."""
+    from jalapeno_emu.emu import functional
+    from jalapeno_emu.isa.program import Tile
+    from jalapeno_emu.isa.table import Space
+
+    kb = KernelBuilder("top_of_scratchpad", chip="jalapeno-v1")
+    x = kb.hbm("x", (64, 16), "f32")
+    y = kb.hbm("y", (64, 16), "f32")
+    for c in range(64):
+        kb.sram(c, "pad", (6 << 12, 256), "u8")  # 6 MiB allocated, never touched
+        v = kb.sram(c, "v", (1, 16), "f32")
+        core, s = kb.core(c), kb.semaphore(f"s{c}")
+        core.dma[0].load(v, x.sub(c, 0, 1, 16))
+        core.dma[0].signal(s)
+        core.dma[1].wait(s, 1)
+        core.dma[1].store(y.sub(c, 0, 1, 16), v)
+    prog = kb.build()
+    layout = functional.MemoryLayout.of(prog)
+    assert layout.backing["sram"] == 64 * 64
+    assert layout.sizes["sram:63"] > 6 << 20
+    data = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    result = run_functional(prog, {"x": data})
+    assert np.array_equal(result.read("y"), data)
+    assert np.array_equal(result.read("v", core=17).reshape(-1), data[17])
+    with pytest.raises(OutOfBounds, match="not in memory the program"):
+        layout.locate(Tile(Space.SRAM, 5, 0, "u8", 1, 64, 64))  # core 5's pad

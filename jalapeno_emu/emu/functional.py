@@ -35,7 +35,7 @@ from jalapeno_emu.emu.schedule import link_key, sequential_order
 from jalapeno_emu.emu.unit_math import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.program import Allocation, Engine, Instruction, Program, Tile
-from jalapeno_emu.isa.table import DTYPES, Space
+from jalapeno_emu.isa.table import DTYPES, Space, by_mnemonic
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.matmul import _matmul_jit
 from jalapeno_emu.mx.quantize import _quantize_jit
@@ -475,17 +475,19 @@ def _checked_input(name: str, value: Any, dtype: str, shape: tuple[int, int]) ->
 _Signature = tuple
 
 
-def _signature(ins: Instruction, layout: MemoryLayout, idx: int
+def _signature(ins: Instruction, layout: MemoryLayout, idx: int, spans: list | None = None
                ) -> tuple[_Signature, tuple[str, ...], np.ndarray]:
     """(compile key, buffer keys in slot order, byte offsets) of one instruction.
 
     Offsets are left out of the key: instructions that differ only in where their tiles sit
-    share one compiled function.
+    share one compiled function. ``spans``: gets (buffer key, first byte, end, written) of each
+    tile, as located here (what the batch schedule tracks).
     """
     slots: list[str] = []
     offsets: list[int] = []
     parts: list[Any] = [ins.mnemonic]
     sizes = layout.backing
+    written = _WRITTEN.get(ins.mnemonic) or _written(ins.mnemonic)
     for name, value in ins.args:
         if isinstance(value, Tile):
             key, off = layout.locate(value, index=idx, ins=ins)
@@ -494,9 +496,21 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int
             offsets.append(off)
             parts.append((name, slots.index(key), sizes[key], value.space.value, value.dtype, value.rows,
                           value.cols, value.stride))
+            if spans is not None:
+                spans.append((key, off, off + (value.rows - 1) * value.stride + value.row_bytes,
+                              name in written))
         else:
             parts.append((name, value))
     return tuple(parts), tuple(slots), np.asarray(offsets, np.int32)
+
+
+_WRITTEN: dict[str, frozenset[str]] = {}  # mnemonic -> the tile operands it writes
+
+
+def _written(mnemonic: str) -> frozenset[str]:
+    row = by_mnemonic(mnemonic)
+    out = _WRITTEN[mnemonic] = frozenset(op.name for op in row.operands if op.kind == "tile" and op.writes)
+    return out
 
 
 def _compiled_instruction(sig: _Signature, ins: Instruction) -> Callable:
@@ -758,26 +772,44 @@ def _whole_program(program: Program, seed: int | None) -> tuple[Callable, list[i
     return jax.jit(run, donate_argnums=0), flag_at, probe_at
 
 
-@functools.lru_cache(maxsize=16)
 def _plan(program: Program, seed: int | None = None) -> tuple[MemoryLayout, list[tuple]]:
     """The memory layout and, per instruction in a legal order, (index, compiled fn or None for
     links, buffer keys, offsets). Cached: re-running a program skips all host-side preparation."""
+    layout, plan, _, _ = _planned(program, seed)
+    return layout, plan
+
+
+@functools.lru_cache(maxsize=16)
+def _planned(program: Program, seed: int | None = None
+             ) -> tuple[MemoryLayout, list[tuple], list[_Signature | None], list[list[tuple]]]:
+    """``_plan``'s layout and entries, with each entry's signature (None: a link or probe) and
+    the tiles it touches as (buffer key, first byte, end, written): what ``_batched_plan`` needs
+    besides, found once (locating 65k tiles took a fused step 0.2 s)."""
     layout = MemoryLayout.of(program)
-    plan = []
+    plan: list[tuple] = []
+    sigs: list[_Signature | None] = []
+    spans: list[list[tuple]] = []
     for idx in sequential_order(program, seed=seed):
         ins = program.instructions[idx]
         if ins.mnemonic in _NO_DATA:
             continue
         if ins.mnemonic in ("link.send", "link.recv"):
             plan.append((idx, None, (), None))
+            sigs.append(None)
+            spans.append([])
             continue
         if ins.mnemonic == "probe":  # (the reader's template tile, (buffer key, byte offset))
             t = ins.arg("src")
             plan.append((idx, _PROBE, _template(t), layout.locate(t, index=idx, ins=ins)))
+            sigs.append(None)
+            spans.append([])
             continue
-        sig, slots, offsets = _signature(ins, layout, idx)
+        touched: list[tuple] = []
+        sig, slots, offsets = _signature(ins, layout, idx, touched)
         plan.append((idx, _compiled_instruction(sig, ins), slots, offsets))
-    return layout, plan
+        sigs.append(sig)
+        spans.append(touched)
+    return layout, plan, sigs, spans
 
 
 _NO_DATA = frozenset({"sem.signal", "sem.wait", "barrier"})
@@ -800,27 +832,23 @@ def _batched_plan(program: Program, seed: int | None = None) -> list[tuple]:
     """``_plan``'s entries as calls: (index, fn, buffer keys, offsets) for one instruction as in
     ``_plan``, or (indices, batched fn, buffer keys, offsets[size, tiles]) for a batch of
     ``BATCH_MIN`` or more independent instructions of one signature (``emu.batching``)."""
-    layout, plan = _plan(program, seed)
+    _, plan, sigs, spans = _planned(program, seed)
     arrays: dict[str, int] = {}
     groups: list[Any] = []
     reads: list[list[tuple[int, int, int]]] = []
     writes: list[list[tuple[int, int, int]]] = []
-    sigs: list[Any] = []
-    for idx, fn, slots, _ in plan:
-        ins = program.instructions[idx]
+    for (_, fn, slots, _), sig, touched in zip(plan, sigs, spans, strict=True):
         r: list[tuple[int, int, int]] = []
         w: list[tuple[int, int, int]] = []
-        for _, t, writes_t in ins.tiles():
-            key, off = layout.locate(t, index=idx, ins=ins)
-            span = (arrays.setdefault(key, len(arrays)), off, off + (t.rows - 1) * t.stride + t.row_bytes)
+        matmul = sig is not None and sig[0] in ("mxu.matmul", "mxu.matmul_t")
+        for key, lo, hi, writes_t in touched:
+            span = (arrays.setdefault(key, len(arrays)), lo, hi)
             (w if writes_t else r).append(span)
-            if writes_t and ins.mnemonic in ("mxu.matmul", "mxu.matmul_t"):
+            if writes_t and matmul:
                 r.append(span)  # accumulate mode reads acc too
         reads.append(r)
         writes.append(w)
-        callable_fn = fn is not None and fn is not _PROBE
-        groups.append((id(fn), slots) if callable_fn else None)
-        sigs.append(_signature(ins, layout, idx)[0] if callable_fn else None)
+        groups.append((id(fn), slots) if sig is not None else None)
     out: list[tuple] = []
     for call in batch_schedule(groups, reads, writes):
         if len(call) < BATCH_MIN:

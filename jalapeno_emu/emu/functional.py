@@ -494,7 +494,7 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int, spans: list | N
             if key not in slots:
                 slots.append(key)
             offsets.append(off)
-            parts.append((name, slots.index(key), sizes[key], value.space.value, value.dtype, value.rows,
+            parts.append((name, slots.index(key), sizes[key], value.space, value.dtype, value.rows,
                           value.cols, value.stride))
             if spans is not None:
                 spans.append((key, off, off + (value.rows - 1) * value.stride + value.row_bytes,

@@ -6,9 +6,11 @@ and one per core's accumulator memory. Each instruction is a pure function of th
 defined once below. Instructions run in ``schedule.sequential_order``; each is one call of a
 jitted function compiled once per *signature* (mnemonic, operand shapes and dtypes, buffer sizes)
 with the byte offsets passed as data, so a kernel's loop body compiles once however many times it
-is unrolled. Buffers are backed at rounded sizes (``memory_layout.py``), so that the same
-instruction on any core, or on buffers of nearby sizes, is one signature; results are trimmed
-back to the allocations' sizes.
+is unrolled. Buffers are backed at rounded sizes, on-chip memory only where instructions touch
+it (``memory_layout.py``), so that the same instruction on any core, or on buffers of nearby
+sizes, is one signature; results come back at the allocations' sizes. Independent instructions of
+one signature run as one call (``batching.py``); the inputs are checked and laid out by
+``initial_memory.py``.
 
 Uninitialised memory is zero, or, with ``debug=True``, 0xFF bytes: NaN in every float type and a
 NaN E8M0 scale, so a read of memory nothing wrote shows up as NaN in the results.

@@ -46,7 +46,6 @@ __all__ = ["FunctionalResult", "MemoryLayout", "Readable", "inorder_block_matmul
            "sequential_row_sum"]
 
 
-
 # --- bytes <-> values -----------------------------------------------------------------------
 def _read_bytes(buf: jax.Array, off: Any, tile: Tile) -> jax.Array:
     """uint8[rows, row_bytes] of a strided tile at byte ``off`` (an int or a traced int32)."""
@@ -290,7 +289,7 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int, spans: list | N
     offsets: list[int] = []
     parts: list[Any] = [ins.mnemonic]
     sizes = layout.backing
-    written = _WRITTEN.get(ins.mnemonic) or _written(ins.mnemonic)
+    written = _written(ins.mnemonic)
     for name, value in ins.args:
         if isinstance(value, Tile):
             key, off = layout.locate(value, index=idx, ins=ins)
@@ -307,13 +306,11 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int, spans: list | N
     return tuple(parts), tuple(slots), np.asarray(offsets, np.int32)
 
 
-_WRITTEN: dict[str, frozenset[str]] = {}  # mnemonic -> the tile operands it writes
-
-
+@functools.cache
 def _written(mnemonic: str) -> frozenset[str]:
-    row = by_mnemonic(mnemonic)
-    out = _WRITTEN[mnemonic] = frozenset(op.name for op in row.operands if op.kind == "tile" and op.writes)
-    return out
+    """The tile operands an instruction of ``mnemonic`` writes (``Instruction.tiles``' flag, per
+    row rather than per instruction)."""
+    return frozenset(op.name for op in by_mnemonic(mnemonic).operands if op.kind == "tile" and op.writes)
 
 
 def _compiled_instruction(sig: _Signature, ins: Instruction) -> Callable:
@@ -321,12 +318,18 @@ def _compiled_instruction(sig: _Signature, ins: Instruction) -> Callable:
     ``ins`` one of them; the last ``_COMPILED_MAX`` signatures used are kept. (Keyed by the
     signature alone: a key holding an example instruction cost a third of a fused step's
     planning to hash.)"""
-    fn = _by_signature.pop(sig, None)
+    return _recent(_by_signature, sig, lambda: _compile_instruction(sig, _canonical(ins)))
+
+
+def _recent(table: dict, key: Any, make: Callable[[], Callable]) -> Callable:
+    """``table[key]``, made by ``make()`` when missing; ``table`` keeps the last ``_COMPILED_MAX``
+    keys used, least recent first."""
+    fn = table.pop(key, None)
     if fn is None:
-        if len(_by_signature) >= _COMPILED_MAX:
-            del _by_signature[next(iter(_by_signature))]  # the least recently used
-        fn = _compile_instruction(sig, _canonical(ins))
-    _by_signature[sig] = fn  # (re-inserted: the most recently used comes last)
+        if len(table) >= _COMPILED_MAX:
+            del table[next(iter(table))]  # the least recently used
+        fn = make()
+    table[key] = fn  # (re-inserted: the most recently used comes last)
     return fn
 
 
@@ -351,14 +354,7 @@ def _batched_instruction(sig: _Signature, ins: Instruction, size: int) -> Callab
     """The jitted (buffers..., offsets[size, tiles]) -> (buffers..., flags[size, n]) running
     ``size`` instructions of ``sig`` (``ins`` one of them) as one batch: every one reads the
     buffers as they were, then their writes land in order (``emu.batching``)."""
-    key = (sig, size)
-    fn = _by_batch.pop(key, None)
-    if fn is None:
-        if len(_by_batch) >= _COMPILED_MAX:
-            del _by_batch[next(iter(_by_batch))]
-        fn = _compile_batched(sig, _canonical(ins), size)
-    _by_batch[key] = fn
-    return fn
+    return _recent(_by_batch, (sig, size), lambda: _compile_batched(sig, _canonical(ins), size))
 
 
 _MAPPED = frozenset({"mxu.matmul", "mxu.matmul_t"})
@@ -446,7 +442,7 @@ def run_functional(program: Program, inputs: Mapping[str, Any] | None = None, *,
             Defaults to the enclosing ``emu.progress.reporting_progress`` callback, as pass
             ``"functional"``.
         batch: with compile="instruction", run ``BATCH_MIN`` or more independent instructions of
-            one signature (a core's load, matmul, ... on many cores) as one vmapped call
+            one signature (a core's load, matmul, ... on many cores) as one call
             (``emu.batching``): the same bytes, far fewer calls on a many-core chip. False: one
             call per instruction.
 
@@ -663,6 +659,8 @@ def _batched_plan(program: Program, seed: int | None = None) -> list[tuple]:
         fn = _batched_instruction(sigs[call[0]], program.instructions[first[0]], size)
         out.append((tuple(plan[e][0] for e in call), fn, first[2], offsets))
     return out
+
+
 _PROBE = "probe"  # the plan's marker for a probe (its entry: index, _PROBE, template, location)
 
 

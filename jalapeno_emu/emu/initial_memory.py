@@ -30,11 +30,11 @@ __all__ = ["State", "initial_state"]
 State = dict[str, Any]  # array name -> bytes: a jax.Array, or a numpy array not yet read
 
 
-def _hbm_alloc(program: Program, name: str, by_name: Mapping[str, Allocation] | None = None) -> Allocation:
-    """HBM allocation ``name`` (``by_name``: ``_hbm_by_name(program)``, when the caller has it:
-    each lookup of the cache compares programs that are equal but not the same object, field by
-    field, which cost a tiny decode step 5 ms when done per input)."""
-    hit = (_hbm_by_name(program) if by_name is None else by_name).get(name)
+def _hbm_alloc(program: Program, name: str, by_name: Mapping[str, Allocation]) -> Allocation:
+    """HBM allocation ``name``; ``by_name`` is ``_hbm_by_name(program)``, looked up once per run
+    by the caller (each lookup of that cache compares programs that are equal but not the same
+    object field by field: 5 ms of a tiny decode step when done per input)."""
+    hit = by_name.get(name)
     if hit is not None:
         return hit
     names = sorted(a.name for a in program.allocations if a.space is Space.HBM)

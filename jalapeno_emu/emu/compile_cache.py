@@ -5,7 +5,9 @@ instruction signature (a tiny model's decode step on jalapeno-v1 has about 2,000
 own compile of each is most of a first run's time and does not change between runs, so the pass
 turns on JAX's persistent cache (https://docs.jax.dev/en/latest/persistent_compilation_cache.html)
 the first time it runs: a second process reuses the executables instead of compiling them again
-(tiny-kimi's prefill and two decode steps on the tiny preset: 104 s cold, 29 s warm).
+(tiny-kimi's prefill and two decode steps on the tiny preset: 104 s cold, 29 s warm). JAX's cache
+still traces and lowers every function to find it; the per-signature functions of the pass skip
+that too, from ``executable_store.py``'s files, which are on whenever this cache is.
 
 Where: ``jax`` under ``$JALAPENO_EMU_CACHE_DIR`` (default ``~/.cache/jalapeno-emu``, where the
 rack's kernel timings are cached too). Off: ``JALAPENO_EMU_COMPILE_CACHE=0`` (or ``off``, ``false``,

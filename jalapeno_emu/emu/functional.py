@@ -29,6 +29,7 @@ from jax import lax
 
 from jalapeno_emu.emu.batching import batch_schedule
 from jalapeno_emu.emu.compile_cache import ensure_default_compile_cache
+from jalapeno_emu.emu.executable_store import stored
 from jalapeno_emu.emu.initial_memory import State, initial_state
 from jalapeno_emu.emu.memory_layout import MemoryLayout
 from jalapeno_emu.emu.progress import ProgressFn, report_interval, resolve_progress
@@ -347,7 +348,7 @@ def _compile_instruction(sig: _Signature, example: Instruction) -> Callable:
         flags = jnp.stack(ex.flags) if ex.flags else jnp.zeros((0,), bool)
         return tuple(state[f"s{i}"] for i in range(n_slots)), flags
 
-    return jax.jit(fn, donate_argnums=0)
+    return stored(fn, ("instruction", sig), donate_argnums=0)
 
 
 def _batched_instruction(sig: _Signature, ins: Instruction, size: int) -> Callable:
@@ -395,7 +396,7 @@ def _compile_batched(sig: _Signature, example: Instruction, size: int) -> Callab
 
         return lax.fori_loop(0, size, land, tuple(buffers[:n_slots])), flags
 
-    return jax.jit(fn, donate_argnums=0)
+    return stored(fn, ("batch", sig, size), donate_argnums=0)
 
 
 def _flag_messages(ins: Instruction) -> list[str]:

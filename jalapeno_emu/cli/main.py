@@ -31,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jalapeno-emu", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"jalapeno-emu {__version__}")
     parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not keep compiled functions on disk (default: on, in jax/ and "
-                             "executables/ under $JALAPENO_EMU_CACHE_DIR or ~/.cache/jalapeno-emu)")
+                        help="do not keep compiled functions on disk (default: on, in jax/ "
+                             "under $JALAPENO_EMU_CACHE_DIR or ~/.cache/jalapeno-emu)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         module.register(sub)

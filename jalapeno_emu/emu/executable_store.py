@@ -15,7 +15,8 @@ the versions of jax and jaxlib, the backend, the host CPU (XLA's CPU code is com
 machine's instruction set, and a cache directory may be shared between machines) and JAX's
 precision settings. On whenever JAX's persistent cache is (the same switches turn both off:
 ``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``),
-under ``executables`` in ``files.cache_root()``; ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store
+in ``executables`` inside JAX's cache directory (so wherever that is shared, between the test
+workers for instance, so are these); ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store
 off alone (to measure what it saves). A file is written whole (a temporary file, then a rename) or
 not at all; one that cannot be read, loaded or run is compiled anew and rewritten. Storing never
 makes a run fail.
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jalapeno_emu.files import atomic_write, cache_root
+from jalapeno_emu.files import atomic_write
 
 __all__ = ["STORE_SUBDIR", "Stored", "store_dir", "stored"]
 
@@ -54,11 +55,13 @@ _compiles = itertools.count()
 
 
 def store_dir() -> Path | None:
-    """Where executables are kept now: ``executables`` under ``files.cache_root()`` while JAX's
-    persistent cache is on in this process, None while it is off."""
+    """Where executables are kept now: ``executables`` in the directory of JAX's persistent cache
+    while that is on in this process (JAX's cache only touches its own ``*-cache`` files there),
+    None while it is off."""
     from .compile_cache import compile_cache_dir
 
-    return cache_root() / STORE_SUBDIR if compile_cache_dir() is not None else None
+    where = compile_cache_dir()
+    return where / STORE_SUBDIR if where is not None else None
 
 
 @functools.cache

@@ -33,13 +33,13 @@ def test_functional_runs_fill_the_default_cache(tmp_path):
     where = _run(tmp_path)
     assert where == str(tmp_path / "root" / "jax")
     assert any((tmp_path / "root" / "jax").iterdir())  # compiled functions were written
-    assert any((tmp_path / "root" / "executables").iterdir())  # and the pass's executables
+    assert any((tmp_path / "root" / "jax" / "executables").iterdir())  # and the pass's executables
 
 
 def test_the_environment_turns_it_off(tmp_path):
     assert _run(tmp_path, JALAPENO_EMU_COMPILE_CACHE="off") == "None"
     assert not (tmp_path / "root" / "jax").exists()
-    assert not (tmp_path / "root" / "executables").exists()
+    assert not (tmp_path / "root" / "jax" / "executables").exists()
 
 
 def test_an_unusable_directory_leaves_the_cache_off(tmp_path):
@@ -56,4 +56,4 @@ def test_the_cli_option_turns_it_off(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "root" / "jax").exists()
-    assert not (tmp_path / "root" / "executables").exists()  # the executable store goes with it
+    assert not (tmp_path / "root" / "jax" / "executables").exists()  # nor the executable store

@@ -65,7 +65,7 @@ def _run(root: Path, **env: str) -> dict:
 
 
 def _files(root: Path) -> dict[str, str]:
-    where = root / "executables"
+    where = root / "jax" / "executables"
     if not where.exists():
         return {}
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in where.iterdir()}
@@ -88,7 +88,7 @@ def test_damaged_files_are_compiled_anew_and_rewritten(tmp_path):
     first = _run(tmp_path)
     names = sorted(_files(tmp_path))
     for name in names:
-        path = tmp_path / "executables" / name
+        path = tmp_path / "jax" / "executables" / name
         path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
     again = _run(tmp_path)
     assert again["digest"] == first["digest"]
@@ -101,15 +101,15 @@ def test_damaged_files_are_compiled_anew_and_rewritten(tmp_path):
 
 def test_the_switches_turn_it_off(tmp_path):
     off = _run(tmp_path, JALAPENO_EMU_EXECUTABLE_STORE="off")
-    assert not (tmp_path / "executables").exists()
+    assert not (tmp_path / "jax" / "executables").exists()
     jax_entries = sorted(p.name for p in (tmp_path / "jax").iterdir())
     assert jax_entries  # JAX's own cache stays on
     # With the store on, JAX's cache keeps nothing of what the store holds.
     assert _run(tmp_path)["digest"] == off["digest"] and _files(tmp_path)
-    assert sorted(p.name for p in (tmp_path / "jax").iterdir()) == jax_entries
+    assert sorted(p.name for p in (tmp_path / "jax").iterdir()) == sorted([*jax_entries, "executables"])
     other = tmp_path / "other"
     assert _run(other, JALAPENO_EMU_COMPILE_CACHE="0")["digest"] == off["digest"]
-    assert not (other / "executables").exists()
+    assert not (other / "jax" / "executables").exists()
 
 
 def _double(buffers, k):

@@ -6,28 +6,31 @@ keyed by the lowered program, so every process still traces and lowers each func
 can look one up: in the demo's tiny model, about 300 instruction signatures at 30-40 ms each on
 two cores, most of a warm run's time. The functional pass knows a complete key before tracing (an
 instruction signature fixes every shape and operand, ``functional._signature``), so it keeps the
-finished executable (``jax.experimental.serialize_executable``) under that key, and a later process
-loads it in a few milliseconds instead.
+finished executable (``jax.experimental.serialize_executable``) and, under that key, the name of
+its file; a later process loads it in a few milliseconds instead.
 
-A file's name is a sha256 of the signature and of everything else the executable depends on: the
-code (``fingerprint.code_fingerprint``: any edit of the emulator, ISA or MX code starts new files),
-the versions of jax and jaxlib, the backend, the host CPU (XLA's CPU code is compiled for the
-machine's instruction set, and a cache directory may be shared between machines) and JAX's
-precision settings. On whenever JAX's persistent cache is (the same switches turn both off:
-``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``),
-in ``executables`` inside JAX's cache directory (so wherever that is shared, between the test
-workers for instance, so are these); ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store
-off alone (to measure what it saves). A file is written whole (a temporary file, then a rename) or
-not at all; one that cannot be read, loaded or run is compiled anew and rewritten. Storing never
-makes a run fail.
+Two kinds of file, in ``executables`` inside JAX's cache directory (so wherever that is shared,
+between the test workers for instance, so are these):
+
+- ``<digest>.xla``: an executable, named by the lowered program (its text and argument trees), so
+  keys that lower to the same program (a DMA load and a store of the same shapes) share one
+  compile, as JAX's cache would have let them;
+- ``<digest>.key``: the name of the ``.xla`` file a key's function lowers to.
+
+Every digest also covers what an executable depends on besides its program: the code
+(``fingerprint.code_fingerprint``: any edit of the emulator, ISA or MX code starts new files), the
+versions of jax and jaxlib, the backend, the host CPU (XLA's CPU code is compiled for the machine's
+instruction set, and a cache directory may be shared between machines) and JAX's precision
+settings. On whenever JAX's persistent cache is (the same switches turn both off:
+``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``);
+``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store off alone (to measure what it saves). A file
+is written whole (a temporary file, then a rename) or not at all; one that cannot be read, loaded
+or run is compiled anew and rewritten. Storing never makes a run fail.
 
 Only an executable XLA compiled in this process can be stored: one that JAX's persistent cache
 served serialises into a file that cannot run (XLA's CPU backend, jax 0.10: "Function ... not
-found" when called). So each function is compiled under a module name no compile has used (the
-name is part of JAX's cache keys; two keys can lower to the same program, a DMA load and a store
-of the same shapes), and JAX's persistent cache keeps nothing of these compiles: the store holds
-them. A cold run therefore compiles each function once, as before; one whose file is lost is
-compiled again, never taken from JAX's cache.
+found" when called). So stored functions are compiled under a module name nothing else uses and
+JAX's persistent cache keeps nothing of those compiles: no JAX cache can serve one.
 """
 
 from __future__ import annotations
@@ -35,11 +38,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import itertools
 import os
 import pickle
 import platform
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ __all__ = ["STORE_SUBDIR", "Stored", "store_dir", "stored"]
 STORE_SUBDIR = "executables"
 _FORMAT = 1  # of the stored files: (serialized executable, in tree, out tree), pickled
 _OFF = {"0", "off", "false", "no"}
-_compiles = itertools.count()
+_MODULE_NAME = "jalapeno_stored"  # every stored function's (see Stored._first)
 
 
 def store_dir() -> Path | None:
@@ -89,9 +90,29 @@ def _environment() -> str:
                       str(jax.config.jax_default_matmul_precision), _host()])
 
 
-def _file_for(directory: Path, key: Any) -> Path:
-    digest = hashlib.sha256(f"{_FORMAT}\n{_environment()}\n{key!r}".encode()).hexdigest()
-    return directory / f"{digest[:32]}.xla"
+def _digest(text: str) -> str:
+    return hashlib.sha256(f"{_FORMAT}\n{_environment()}\n{text}".encode()).hexdigest()[:32]
+
+
+def _key_file(directory: Path, key: Any) -> Path:
+    return directory / f"{_digest(repr(key))}.key"
+
+
+def _module_file(directory: Path, lowered: Any) -> Path:
+    return directory / f"{_digest(f'{lowered.in_tree}|{lowered.out_tree}|{lowered.as_text()}')}.xla"
+
+
+def _read_name(path: Path) -> str | None:
+    try:
+        name = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if name.endswith(".xla") and "/" not in name else None
+
+
+def _write_name(path: Path, name: str) -> None:
+    with contextlib.suppress(Exception):  # a full disk: the key is looked up by lowering next time
+        atomic_write(path, lambda f: f.write(name.encode("ascii")))
 
 
 def _load(path: Path) -> Callable | None:
@@ -131,17 +152,37 @@ def _jax_cache_not_written() -> Iterator[None]:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
+def _loaded_run(path: Path, args: tuple) -> tuple[Callable, Any] | None:
+    """(executable, its results on ``args``) from the file at ``path``, or None when there is no
+    such file or it does not load or run. The run is on copies of the arguments: a donated
+    argument is gone once a call starts, even one that fails, and a file that loads may still not
+    run (one written from an executable JAX's cache served, for instance)."""
+    exe = _load(path)
+    if exe is None:
+        return None
+    import jax
+    import numpy as np
+
+    try:
+        return exe, exe(*jax.tree.map(lambda a: np.array(a, copy=True), args))
+    except Exception:  # it does not run here, whatever the reason: compile it
+        return None
+
+
 class Stored:
     """A function compiled through the store: called like ``jax.jit(fn)``.
 
-    The first call loads the executable from its file, or traces, lowers and compiles ``fn`` for
-    the arguments it was given and writes the file; later calls run that executable directly.
-    Every call must pass arguments of the same shapes and dtypes as the first: the key promises it.
+    The first call runs the executable its key names (its ``.key`` file holds the name of the
+    ``.xla`` file of the program it lowers to), or traces and lowers ``fn`` for the arguments it
+    was given and runs the executable of that program if another key stored it (a DMA load and a
+    store of the same shapes lower to one program), or compiles it and stores it; later calls run
+    that executable directly. Every call must pass arguments of the same shapes and dtypes as the
+    first: the key promises it.
 
     Attributes:
-        path: the executable's file.
-        loaded: True when the executable came from its file, False when it was compiled here, None
-            before the first call.
+        path: the key's file.
+        loaded: True when the executable came from the store, False when it was compiled here,
+            None before the first call.
     """
 
     __slots__ = ("_call", "_donate", "_fn", "loaded", "path")
@@ -157,37 +198,32 @@ class Stored:
             return self._first(args)
         return call(*args)
 
-    def _compile(self, args: tuple) -> Any:
-        import jax
-
-        # A module name no compile has used (the name is part of JAX's cache keys), so that the
-        # executable is XLA's own, not one a JAX cache serves: those serialise into files that
-        # cannot run (XLA's CPU backend, jax 0.10: "Function ... not found" when called).
-        name = f"stored_{self.path.stem[:16]}_{os.getpid()}_{next(_compiles)}_{time.time_ns()}"
-        self._fn.__name__ = self._fn.__qualname__ = name
-        with _jax_cache_not_written():
-            return jax.jit(self._fn, donate_argnums=self._donate).lower(*args).compile()
-
     def _first(self, args: tuple) -> Any:
-        exe = _load(self.path)
-        if exe is not None:
-            # The first run is on copies: a donated argument is gone once a call starts, even one
-            # that fails, and a file that loads may still not run (one written from an executable
-            # JAX's cache served, for instance); then the arguments are still there to compile with.
+        name = _read_name(self.path)
+        ran = _loaded_run(self.path.parent / name, args) if name is not None else None
+        if ran is None:
             import jax
-            import numpy as np
 
-            try:
-                out = exe(*jax.tree.map(lambda a: np.array(a, copy=True), args))
-            except Exception:  # it does not run here, whatever the reason: compile it
-                exe = None
-            else:
-                self._call, self.loaded = exe, True
+            # One module name for every stored function, used by nothing else, and JAX's
+            # persistent cache never keeps these compiles (below): so no JAX cache serves one (what
+            # it serves serialises into files that cannot run: XLA's CPU backend, jax 0.10,
+            # "Function ... not found" when called), and equal programs lower to equal text.
+            self._fn.__name__ = self._fn.__qualname__ = _MODULE_NAME
+            lowered = jax.jit(self._fn, donate_argnums=self._donate).lower(*args)
+            module = _module_file(self.path.parent, lowered)
+            ran = _loaded_run(module, args)
+            if ran is None:
+                with _jax_cache_not_written():
+                    exe = lowered.compile()
+                self._call, self.loaded = exe, False
+                out = exe(*args)
+                if _save(module, exe):
+                    _write_name(self.path, module.name)
                 return out
-        exe = self._compile(args)
-        _save(self.path, exe)
-        self._call, self.loaded = exe, False
-        return exe(*args)
+            _write_name(self.path, module.name)
+        self._call, out = ran
+        self.loaded = True
+        return out
 
 
 def stored(fn: Callable, key: Any, *, donate_argnums: int | tuple[int, ...] = ()) -> Callable:
@@ -199,4 +235,4 @@ def stored(fn: Callable, key: Any, *, donate_argnums: int | tuple[int, ...] = ()
         import jax
 
         return jax.jit(fn, donate_argnums=donate_argnums)
-    return Stored(fn, _file_for(directory, key), donate_argnums)
+    return Stored(fn, _key_file(directory, key), donate_argnums)

@@ -76,7 +76,10 @@ def test_a_second_process_runs_the_stored_executables_without_tracing(tmp_path):
     stored = _files(tmp_path)
     assert first["traced"] > 0 and first["loaded"] == 0
     assert first["batched"] > 0  # the kernel's cores ran as batches: those are stored too
-    assert len(stored) == first["functions"]
+    keys = [n for n in stored if n.endswith(".key")]
+    programs = [n for n in stored if n.endswith(".xla")]
+    assert len(keys) == first["functions"]
+    assert 0 < len(programs) <= len(keys)
     second = _run(tmp_path)
     assert second["digest"] == first["digest"]
     assert second["traced"] == 0  # every function came from its file, under the same name
@@ -87,7 +90,7 @@ def test_a_second_process_runs_the_stored_executables_without_tracing(tmp_path):
 def test_damaged_files_are_compiled_anew_and_rewritten(tmp_path):
     first = _run(tmp_path)
     names = sorted(_files(tmp_path))
-    for name in names:
+    for name in [n for n in names if n.endswith(".xla")]:
         path = tmp_path / "jax" / "executables" / name
         path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
     again = _run(tmp_path)
@@ -124,21 +127,33 @@ def _halve(buffers, k):
 
 def test_a_file_that_loads_but_does_not_run_is_compiled_anew(tmp_path):
     """The first run of a loaded executable is on copies of its (donated) arguments, so a file
-    that fails when run (here: another function's, for other shapes) still leaves them to compile
+    that fails when run (here: another program's, for other shapes) still leaves them to compile
     with; the file is rewritten with what was compiled."""
     a, k = np.arange(8, dtype=np.float32), np.float32(1)
-    good, other = tmp_path / "good.xla", tmp_path / "other.xla"
-    first = Stored(_double, good, 0)
+    first = Stored(_double, tmp_path / "good.key", 0)
     np.testing.assert_array_equal(np.asarray(first((jnp.asarray(a),), k)[0][0]), a * 2 + 1)
-    Stored(_halve, other, 0)((jnp.zeros(5, jnp.float32),), k)  # stored for shapes (5,)
+    Stored(_halve, tmp_path / "other.key", 0)((jnp.zeros(5, jnp.float32),), k)  # shapes (5,)
+    good, other = (tmp_path / (tmp_path / f"{n}.key").read_text() for n in ("good", "other"))
+    assert good != other
     shutil.copyfile(other, good)
     x = jnp.asarray(a)
-    again = Stored(_double, good, 0)
+    again = Stored(_double, tmp_path / "good.key", 0)
     out = again((x,), k)
     assert again.loaded is False
     np.testing.assert_array_equal(np.asarray(out[0][0]), a * 2 + 1)
     assert good.read_bytes() != other.read_bytes()
-    third = Stored(_double, good, 0)
+    third = Stored(_double, tmp_path / "good.key", 0)
     np.testing.assert_array_equal(np.asarray(third((jnp.asarray(a),), k)[0][0]), a * 2 + 1)
     assert third.loaded is True
     jax.block_until_ready(out)
+
+
+def test_keys_that_lower_to_one_program_share_its_executable(tmp_path):
+    a, k = np.arange(8, dtype=np.float32), np.float32(1)
+    first = Stored(_double, tmp_path / "load.key", 0)
+    first((jnp.asarray(a),), k)
+    second = Stored(_double, tmp_path / "store.key", 0)  # another key, the same program
+    np.testing.assert_array_equal(np.asarray(second((jnp.asarray(a),), k)[0][0]), a * 2 + 1)
+    assert first.loaded is False and second.loaded is True
+    assert (tmp_path / "load.key").read_text() == (tmp_path / "store.key").read_text()
+    assert len(list(tmp_path.glob("*.xla"))) == 1

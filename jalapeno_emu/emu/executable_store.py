@@ -17,11 +17,12 @@ between the test workers for instance, so are these):
   compile, as JAX's cache would have let them;
 - ``<digest>.key``: the name of the ``.xla`` file a key's function lowers to.
 
-Every digest also covers what an executable depends on besides its program: the code
-(``fingerprint.code_fingerprint``: any edit of the emulator, ISA or MX code starts new files), the
-versions of jax and jaxlib, the backend, the host CPU (XLA's CPU code is compiled for the machine's
-instruction set, and a cache directory may be shared between machines) and JAX's precision
-settings. On whenever JAX's persistent cache is (the same switches turn both off:
+Every digest also covers what an executable depends on besides its program: the versions of jax
+and jaxlib, the backend, the host CPU (XLA's CPU code is compiled for the machine's instruction
+set, and a cache directory may be shared between machines) and JAX's precision settings; a key's
+also the code (``fingerprint.code_fingerprint``): after an edit of the emulator, ISA, MX or kernel
+code each key is traced and lowered again, once, and finds its program's executable unless the
+edit changed the program. On whenever JAX's persistent cache is (the same switches turn both off:
 ``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``);
 ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store off alone (to measure what it saves). A file
 is written whole (a temporary file, then a rename) or not at all; one that cannot be read, loaded
@@ -79,27 +80,32 @@ def _host() -> str:
 
 @functools.cache
 def _environment() -> str:
+    """What an executable depends on besides its program: the compiler and the machine."""
     import jax
     import jaxlib
 
+    client = jax.devices()[0].client
+    return "\n".join([jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
+                      str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision), _host()])
+
+
+def _digest(text: str, *, code: bool) -> str:
     from jalapeno_emu.fingerprint import code_fingerprint
 
-    client = jax.devices()[0].client
-    return "\n".join([code_fingerprint(), jax.__version__, jaxlib.__version__, client.platform,
-                      client.platform_version, str(jax.config.jax_enable_x64),
-                      str(jax.config.jax_default_matmul_precision), _host()])
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(f"{_FORMAT}\n{_environment()}\n{text}".encode()).hexdigest()[:32]
+    where = f"{code_fingerprint()}\n" if code else ""
+    return hashlib.sha256(f"{_FORMAT}\n{where}{_environment()}\n{text}".encode()).hexdigest()[:32]
 
 
 def _key_file(directory: Path, key: Any) -> Path:
-    return directory / f"{_digest(repr(key))}.key"
+    """A key's file: what its function lowers to depends on the code that traces it."""
+    return directory / f"{_digest(repr(key), code=True)}.key"
 
 
 def _module_file(directory: Path, lowered: Any) -> Path:
-    return directory / f"{_digest(f'{lowered.in_tree}|{lowered.out_tree}|{lowered.as_text()}')}.xla"
+    """An executable's file: its program's text says everything the code put in it, so an edit of
+    the code that leaves a program as it was keeps its executable."""
+    text = f"{lowered.in_tree}|{lowered.out_tree}|{lowered.as_text()}"
+    return directory / f"{_digest(text, code=False)}.xla"
 
 
 def _read_name(path: Path) -> str | None:

@@ -21,8 +21,11 @@ from jalapeno_emu.emu.executable_store import Stored
 _ROOT = Path(__file__).resolve().parents[2]
 
 _RUN = """
-import hashlib, json
+import hashlib, json, os
 import numpy as np
+if os.environ.get("EDITED_CODE"):  # as if the emulator's code had been edited since
+    import jalapeno_emu.fingerprint as fingerprint
+    fingerprint.code_fingerprint = lambda: "edited"
 from jalapeno_emu.emu import functional
 from jalapeno_emu.emu.executable_store import Stored
 from jalapeno_emu.kernels.registry import get_kernel
@@ -85,6 +88,12 @@ def test_a_second_process_runs_the_stored_executables_without_tracing(tmp_path):
     assert second["traced"] == 0  # every function came from its file, under the same name
     assert second["loaded"] == second["functions"] == first["functions"]
     assert _files(tmp_path) == stored
+    # After an edit of the code each key is traced and lowered again, and finds its program's
+    # executable: nothing is compiled.
+    edited = _run(tmp_path, EDITED_CODE="1")
+    assert edited["digest"] == first["digest"]
+    assert edited["traced"] > 0 and edited["loaded"] == edited["functions"]
+    assert {n for n in _files(tmp_path) if n.endswith(".xla")} == set(programs)
 
 
 def test_damaged_files_are_compiled_anew_and_rewritten(tmp_path):

@@ -26,7 +26,9 @@ edit changed the program. On whenever JAX's persistent cache is (the same switch
 ``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``);
 ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store off alone (to measure what it saves). A file
 is written whole (a temporary file, then a rename) or not at all; one that cannot be read, loaded
-or run is compiled anew and rewritten. Storing never makes a run fail.
+or run is compiled anew and rewritten. Storing never makes a run fail. An executable XLA cannot
+serialise (a sort's comparator on the CPU backend: the batched ``vec.group`` of a MoE router) is
+compiled in every process, as it was with JAX's cache alone.
 
 Only an executable XLA compiled in this process can be stored: one that JAX's persistent cache
 served serialises into a file that cannot run (XLA's CPU backend, jax 0.10: "Function ... not

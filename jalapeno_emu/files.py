@@ -329,9 +329,11 @@ def _rename(item: _Pending) -> None:
         raise OSError(exc.errno, exc.strerror, _shown(item.path, item.target)) from None
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], *,
+                 alone: bool = False) -> None:
     """Call ``write`` on a temporary binary file beside the target, then rename it onto the target
-    (inside :func:`all_or_nothing`: at the end of the block).
+    (inside :func:`all_or_nothing`: at the end of the block, unless ``alone``: a cache file, say,
+    which is none of a command's outputs and must not wait for them or fail with them).
 
     The target is ``path``, or for a symlink the file the link leads to (the link stays). An
     existing file's permission bits are kept; a new file gets the umask's.
@@ -362,7 +364,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
             raise OSError(exc.errno, exc.strerror, shown) from None
         raise
     item = _Pending(os.fspath(path), target, tmp)
-    batch = _BATCH.get()
+    batch = None if alone else _BATCH.get()
     if batch is not None:
         batch.add(item)
     else:

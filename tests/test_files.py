@@ -152,6 +152,18 @@ def test_outputs_appear_together_or_not_at_all(tmp_path):
     assert _no_temporaries(tmp_path)
 
 
+def test_a_file_written_alone_does_not_join_the_batch(tmp_path):
+    """A cache file written during a command is none of its outputs: it lands at once and stays
+    when the outputs fail."""
+    with pytest.raises(RuntimeError, match="plot failed"), all_or_nothing():
+        atomic_write(tmp_path / "out.csv", _write(b"rows"))
+        atomic_write(tmp_path / "cache.xla", _write(b"exe"), alone=True)
+        assert (tmp_path / "cache.xla").read_bytes() == b"exe"
+        raise RuntimeError("plot failed")
+    assert sorted(os.listdir(tmp_path)) == ["cache.xla"]
+    assert _no_temporaries(tmp_path)
+
+
 def test_a_target_that_became_a_directory_stops_the_whole_batch(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"b\.json: is a directory"), all_or_nothing():
         atomic_write(tmp_path / "a.json", _write(b"a"))

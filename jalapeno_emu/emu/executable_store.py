@@ -25,7 +25,8 @@ code each key is traced and lowered again, once, and finds its program's executa
 edit changed the program. On whenever JAX's persistent cache is (the same switches turn both off:
 ``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``);
 ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store off alone (to measure what it saves). A file
-is written whole (a temporary file, then a rename) or not at all; one that cannot be read, loaded
+is written whole (a temporary file, then a rename) or not at all, at once (never deferred with a
+command's outputs in ``files.all_or_nothing``); one that cannot be read, loaded
 or run is compiled anew and rewritten. Storing never makes a run fail. An executable XLA cannot
 serialise (a sort's comparator on the CPU backend: the batched ``vec.group`` of a MoE router) is
 compiled in every process, as it was with JAX's cache alone.
@@ -120,7 +121,7 @@ def _read_name(path: Path) -> str | None:
 
 def _write_name(path: Path, name: str) -> None:
     with contextlib.suppress(Exception):  # a full disk: the key is looked up by lowering next time
-        atomic_write(path, lambda f: f.write(name.encode("ascii")))
+        atomic_write(path, lambda f: f.write(name.encode("ascii")), alone=True)
 
 
 def _load(path: Path) -> Callable | None:
@@ -141,7 +142,7 @@ def _save(path: Path, compiled: Any) -> bool:
     try:
         blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda f: f.write(blob))
+        atomic_write(path, lambda f: f.write(blob), alone=True)
     except Exception:  # a full disk, a backend that cannot serialise: run on
         return False
     return True

@@ -24,7 +24,7 @@ from pathlib import Path
 from jalapeno_emu.files import cache_root
 
 __all__ = ["compile_cache_dir", "default_cache_dir", "disable_compile_cache", "enable_compile_cache",
-           "ensure_default_compile_cache", "wanted_by_environment"]
+           "ensure_default_compile_cache", "switched_on", "wanted_by_environment"]
 
 _OFF = {"0", "off", "false", "no"}
 _state = {"decided": False}
@@ -35,9 +35,14 @@ def default_cache_dir() -> Path:
     return cache_root() / "jax"
 
 
+def switched_on(variable: str) -> bool:
+    """An on/off environment switch: on unless ``variable`` says 0, off, false or no."""
+    return os.environ.get(variable, "1").strip().lower() not in _OFF
+
+
 def wanted_by_environment() -> bool:
     """False when ``JALAPENO_EMU_COMPILE_CACHE`` turns the cache off (0, off, false, no)."""
-    return os.environ.get("JALAPENO_EMU_COMPILE_CACHE", "1").strip().lower() not in _OFF
+    return switched_on("JALAPENO_EMU_COMPILE_CACHE")
 
 
 def compile_cache_dir() -> Path | None:

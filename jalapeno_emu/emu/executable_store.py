@@ -42,20 +42,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import os
 import pickle
 import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from jalapeno_emu.emu.compile_cache import compile_cache_dir, switched_on
 from jalapeno_emu.files import atomic_write
 
 __all__ = ["STORE_SUBDIR", "Stored", "store_dir", "stored"]
 
 STORE_SUBDIR = "executables"
 _FORMAT = 1  # of the stored files: (serialized executable, in tree, out tree), pickled
-_OFF = {"0", "off", "false", "no"}
 _MODULE_NAME = "jalapeno_stored"  # every stored function's (see Stored._first)
 
 
@@ -63,8 +62,6 @@ def store_dir() -> Path | None:
     """Where executables are kept now: ``executables`` in the directory of JAX's persistent cache
     while that is on in this process (JAX's cache only touches its own ``*-cache`` files there),
     None while it is off."""
-    from .compile_cache import compile_cache_dir
-
     where = compile_cache_dir()
     return where / STORE_SUBDIR if where is not None else None
 
@@ -240,7 +237,7 @@ def stored(fn: Callable, key: Any, *, donate_argnums: int | tuple[int, ...] = ()
     whose ``repr`` names everything the traced function depends on besides the code and the
     environment); plain ``jax.jit`` while the store is off (see the module docstring)."""
     directory = store_dir()
-    if directory is None or os.environ.get("JALAPENO_EMU_EXECUTABLE_STORE", "1").strip().lower() in _OFF:
+    if directory is None or not switched_on("JALAPENO_EMU_EXECUTABLE_STORE"):
         import jax
 
         return jax.jit(fn, donate_argnums=donate_argnums)

@@ -125,3 +125,80 @@ def test_a_kernel_on_many_cores_gives_the_same_bytes_batched():
     assert len(calls) < len(plan)
     kinds = {b.program.instructions[idx[0]].mnemonic for idx, *_ in calls if type(idx) is tuple}
     assert "mxu.matmul" in kinds and kinds & {"dma.load", "vec.acc_read"}  # mapped and vectorised
+
+
+def _overlapping_stores_program(cores: int):
+    """Every core loads its own rows of x and stores them over the same rows of y: one batch of
+    stores whose writes overlap, so only their order decides what y holds."""
+    kb = KernelBuilder("overlapping_stores", chip="jalapeno-v1")
+    x = kb.hbm("x", (cores * 4, 64), "f32")
+    y = kb.hbm("y", (4, 64), "f32")
+    for c in range(cores):
+        core, v = kb.core(c), kb.sram(c, "v", (4, 64), "f32")
+        loaded = kb.semaphore(f"l{c}")
+        core.dma[0].load(v, x.sub(4 * c, 0, 4, 64))
+        core.dma[0].signal(loaded)
+        core.dma[1].wait(loaded, 1)
+        core.dma[1].store(y, v)
+    return kb.build()
+
+
+def test_a_batch_whose_writes_overlap_lands_them_in_order():
+    prog = _overlapping_stores_program(8)
+    data = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
+    batched = run_functional(prog, {"x": data})
+    single = run_functional(prog, {"x": data}, batch=False)
+    for name, buf in single.buffers.items():
+        assert np.array_equal(batched.buffers[name], buf), name
+    order = [i for i in functional._planned(prog, None)[1] if prog.instructions[i[0]].mnemonic == "dma.store"]
+    last_core = prog.instructions[order[-1][0]].engine.core
+    assert np.array_equal(batched.read("y"), data[4 * last_core:4 * last_core + 4])
+    calls = functional._batched_plan(prog, None)
+    assert any(type(idx) is tuple and len(idx) == 8 and prog.instructions[idx[0]].mnemonic == "dma.store"
+               for idx, *_ in calls)
+
+
+def test_writes_are_disjoint_only_when_no_two_written_ranges_share_a_byte():
+    disjoint = functional._writes_disjoint
+    w = lambda key, lo, hi: (key, lo, hi, True)  # noqa: E731
+    r = lambda key, lo, hi: (key, lo, hi, False)  # noqa: E731
+    assert disjoint([[w("a", 0, 8)], [w("a", 8, 16)], [w("b", 0, 8)]])
+    assert not disjoint([[w("a", 0, 8)], [w("a", 7, 16)]])
+    assert not disjoint([[w("a", 0, 8), w("a", 4, 6)]])  # one entry's own outputs
+    assert disjoint([[w("a", 0, 8), r("a", 8, 16)], [w("a", 8, 16), r("a", 0, 8)]])  # reads do not count
+    assert not disjoint([[w("a", 16, 32)], [w("b", 0, 4)], [w("a", 0, 17)]])  # any order of entries
+
+
+def test_strided_tiles_read_and_write_exactly_their_bytes():
+    """Every path of the byte movers against numpy: contiguous, a short span sliced whole, a long
+    span gathered by rows, and a batch's rows scattered at once (a repeated last member)."""
+    import jax.numpy as jnp
+
+    from jalapeno_emu.isa.program import Tile
+    from jalapeno_emu.isa.table import Space
+
+    rng = np.random.default_rng(2)
+    mem = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for rows, cols, stride, off in [(4, 64, -1, 100), (8, 16, 96, 7), (128, 16, 512, 3),
+                                    (64, 64, 2048, 1000), (1, 300, -1, 5)]:
+        t = Tile(Space.SRAM, 0, 0, "u8", rows, cols, stride)
+        starts = off + np.arange(rows) * t.stride
+        want = np.stack([mem[s:s + t.row_bytes] for s in starts])
+        got = np.asarray(functional._read_bytes(jnp.asarray(mem), jnp.int32(off), t))
+        assert np.array_equal(got, want), (rows, cols, stride)
+        data = rng.integers(0, 256, (rows, t.row_bytes), dtype=np.uint8)
+        expect = mem.copy()
+        for s, row in zip(starts, data, strict=True):
+            expect[s:s + t.row_bytes] = row
+        got = np.asarray(functional._write_bytes(jnp.asarray(mem), jnp.int32(off), t, jnp.asarray(data)))
+        assert np.array_equal(got, expect), (rows, cols, stride)
+        span = (rows - 1) * t.stride + t.row_bytes
+        offs = np.array([off, off + span + 3, off + 2 * span + 9, off + 2 * span + 9], np.int32)
+        batch = rng.integers(0, 256, (4, rows, t.row_bytes), dtype=np.uint8)
+        batch[3] = batch[2]
+        expect = mem.copy()
+        for o, member in zip(offs, batch, strict=True):
+            for i, row in enumerate(member):
+                expect[o + i * t.stride:o + i * t.stride + t.row_bytes] = row
+        got = np.asarray(functional._land_all(jnp.asarray(mem), jnp.asarray(offs), t, jnp.asarray(batch)))
+        assert np.array_equal(got, expect), (rows, cols, stride)

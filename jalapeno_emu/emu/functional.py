@@ -36,6 +36,7 @@ from jalapeno_emu.emu.memory_layout import MemoryLayout
 from jalapeno_emu.emu.progress import ProgressFn, report_interval, resolve_progress
 from jalapeno_emu.emu.result import FunctionalResult, Readable, read_values
 from jalapeno_emu.emu.schedule import link_key, sequential_order
+from jalapeno_emu.emu.tile_bytes import decode, encode, land_all, read_bytes, write_bytes
 from jalapeno_emu.emu.unit_math import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
@@ -46,88 +47,6 @@ from jalapeno_emu.mx.quantize import _quantize_jit
 
 __all__ = ["FunctionalResult", "MemoryLayout", "Readable", "inorder_block_matmul", "run_functional",
            "sequential_row_sum"]
-
-
-# --- bytes <-> values -----------------------------------------------------------------------
-_SPAN_READ_MAX_BYTES = 1 << 16
-"""A strided read whose first-to-last byte span is at most this is sliced whole and reshaped
-(a copy of the span: cheap at this size, and a gather of narrow rows runs 4x slower); a wider
-one gathers its rows."""
-_ROWS = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,))
-_ROWS_BACK = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(),
-                                         scatter_dims_to_operand_dims=(0,))
-
-
-def _row_starts(off: Any, rows: int, stride: int) -> jax.Array:
-    """int32[rows, 1]: the first byte of each row of a tile at byte ``off``."""
-    return (off + jnp.arange(rows, dtype=jnp.int32) * stride)[:, None]
-
-
-def _read_bytes(buf: jax.Array, off: Any, tile: Tile) -> jax.Array:
-    """uint8[rows, row_bytes] of a strided tile at byte ``off`` (an int or a traced int32).
-
-    No loops: a while loop per strided tile doubled the XLA compile time of the functions that
-    read one (about 300 functions compile on a demo's first run)."""
-    rb, rows, stride = tile.row_bytes, tile.rows, tile.stride
-    if tile.contiguous:
-        return lax.dynamic_slice(buf, (off,), (rows * rb,)).reshape(rows, rb)
-    span = (rows - 1) * stride + rb
-    if span <= _SPAN_READ_MAX_BYTES:
-        flat = jnp.pad(lax.dynamic_slice(buf, (off,), (span,)), (0, rows * stride - span))
-        return flat.reshape(rows, stride)[:, :rb]
-    return lax.gather(buf, _row_starts(off, rows, stride), _ROWS, (rb,), indices_are_sorted=True,
-                      unique_indices=True, mode=lax.GatherScatterMode.CLIP)
-
-
-def _write_bytes(buf: jax.Array, off: Any, tile: Tile, data: jax.Array) -> jax.Array:
-    rb, rows, stride = tile.row_bytes, tile.rows, tile.stride
-    data = data.astype(jnp.uint8).reshape(rows, rb)
-    if tile.contiguous:
-        return lax.dynamic_update_slice(buf, data.reshape(-1), (off,))
-    # Row windows scattered in place (the rows of a tile never overlap: stride >= row bytes).
-    return lax.scatter(buf, _row_starts(off, rows, stride), data, _ROWS_BACK,
-                       indices_are_sorted=True, unique_indices=True, mode=lax.GatherScatterMode.CLIP)
-
-
-def _land_all(buf: jax.Array, offs: jax.Array, tile: Tile, data: jax.Array) -> jax.Array:
-    """``_write_bytes`` of every member of a batch at once: ``offs`` int32[size] and ``data``
-    [size, ...] (each member's bytes). Only for members whose writes do not overlap, except
-    repeated identical members (a padded batch): a scatter lands overlapping windows in no set
-    order."""
-    rb, rows, stride = tile.row_bytes, tile.rows, tile.stride
-    size = offs.shape[0]
-    if tile.contiguous:
-        starts, data = offs[:, None], data.astype(jnp.uint8).reshape(size, rows * rb)
-    else:
-        starts = (offs[:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :] * stride).reshape(-1, 1)
-        data = data.astype(jnp.uint8).reshape(size * rows, rb)
-    return lax.scatter(buf, starts, data, _ROWS_BACK, indices_are_sorted=False, unique_indices=False,
-                       mode=lax.GatherScatterMode.CLIP)
-
-
-def _decode(raw: jax.Array, dtype: str) -> jax.Array:
-    """Values [rows, cols] from bytes [rows, row_bytes]: floats/ints typed, MX codes as uint8."""
-    dt = DTYPES[dtype]
-    if dtype == "fp4":
-        return jnp.stack([raw & 0xF, raw >> 4], axis=-1).reshape(raw.shape[0], -1)
-    if dt.bits == 8:
-        return raw
-    rows = raw.shape[0]
-    jdt = jnp.dtype(dt.numpy)
-    return lax.bitcast_convert_type(raw.reshape(rows, -1, dt.bits // 8), jdt)
-
-
-def _encode(values: jax.Array, dtype: str) -> jax.Array:
-    """Bytes [rows, row_bytes] of values [rows, cols] (floats are rounded RNE to ``dtype``)."""
-    dt = DTYPES[dtype]
-    if dtype == "fp4":
-        v = values.astype(jnp.uint8)
-        return (v[:, 0::2] & 0xF) | ((v[:, 1::2] & 0xF) << 4)
-    if dt.bits == 8:
-        return values.astype(jnp.uint8)
-    rows = values.shape[0]
-    raw = lax.bitcast_convert_type(values.astype(jnp.dtype(dt.numpy)), jnp.uint8)
-    return raw.reshape(rows, -1)
 
 
 # --- instruction semantics ------------------------------------------------------------------
@@ -150,10 +69,10 @@ class _Exec:
 
     def raw(self, state: State, name: str) -> jax.Array:
         key, off = self.locs[name]
-        return _read_bytes(state[key], off, self.ins.arg(name))
+        return read_bytes(state[key], off, self.ins.arg(name))
 
     def get(self, state: State, name: str) -> jax.Array:
-        return _decode(self.raw(state, name), self.ins.arg(name).dtype)
+        return decode(self.raw(state, name), self.ins.arg(name).dtype)
 
     def f32(self, state: State, name: str) -> jax.Array:
         return self.get(state, name).astype(jnp.float32)
@@ -163,10 +82,10 @@ class _Exec:
             self.written.append((name, raw))
             return
         key, off = self.locs[name]
-        state[key] = _write_bytes(state[key], off, self.ins.arg(name), raw)
+        state[key] = write_bytes(state[key], off, self.ins.arg(name), raw)
 
     def put(self, state: State, name: str, values: jax.Array) -> None:
-        self.put_raw(state, name, _encode(values, self.ins.arg(name).dtype))
+        self.put_raw(state, name, encode(values, self.ins.arg(name).dtype))
 
     def operand(self, state: State, name: str, scale_name: str, axis: int):
         """(MXArray, None) for an MX operand; (None, float32 values) for BF16."""
@@ -425,14 +344,14 @@ def _compile_batched(sig: _Signature, example: Instruction, size: int, disjoint:
             state = list(buffers[:n_slots])
             for name, raw in zip(order, raws, strict=True):
                 s = slot_of[name]
-                state[s] = _land_all(state[s], offsets[:, position[name]], example.arg(name), raw)
+                state[s] = land_all(state[s], offsets[:, position[name]], example.arg(name), raw)
             return tuple(state), flags
 
         def land(b, state):
             state = list(state)
             for name, raw in zip(order, raws, strict=True):
                 s = slot_of[name]
-                state[s] = _write_bytes(state[s], offsets[b, position[name]], example.arg(name), raw[b])
+                state[s] = write_bytes(state[s], offsets[b, position[name]], example.arg(name), raw[b])
             return tuple(state)
 
         return lax.fori_loop(0, size, land, tuple(buffers[:n_slots])), flags
@@ -598,7 +517,7 @@ def _whole_program(program: Program, seed: int | None) -> tuple[Callable, list[i
             if fn is _PROBE:
                 t = ins.arg("src")
                 buf, off = layout.locate(t, index=idx, ins=ins)
-                probed.append(_read_bytes(state[buf], off, t))
+                probed.append(read_bytes(state[buf], off, t))
                 probe_at.append(idx)
                 continue
             locs = {name: layout.locate(v, index=idx, ins=ins) for name, v in ins.args
@@ -722,7 +641,7 @@ def _template(t: Tile) -> Tile:
 @functools.lru_cache(maxsize=256)
 def _probe_reader(template: Tile) -> Callable:
     """A jitted (buffer, byte offset) -> uint8[rows, row_bytes] reading a tile like ``template``."""
-    return jax.jit(lambda buf, off: _read_bytes(buf, off, template))
+    return jax.jit(lambda buf, off: read_bytes(buf, off, template))
 
 
 def _probe_values(program: Program, probed: Mapping[int, Any]
@@ -752,7 +671,7 @@ def _run_link(ins, idx, layout, state, in_flight) -> None:
     if ins.mnemonic == "link.send":
         t = ins.arg("src")
         buf, off = layout.locate(t, index=idx, ins=ins)
-        in_flight.setdefault(key, []).append(_read_bytes(state[buf], off, t))
+        in_flight.setdefault(key, []).append(read_bytes(state[buf], off, t))
         return
     t = ins.arg("dst")
     raw = in_flight[key].pop(0)
@@ -761,4 +680,4 @@ def _run_link(ins, idx, layout, state, in_flight) -> None:
                           f"{raw.shape[0]}x{raw.shape[1]} B that were sent", index=idx,
                           engine=str(ins.engine), source=ins.source)
     buf, off = layout.locate(t, index=idx, ins=ins)
-    state[buf] = _write_bytes(state[buf], off, t, raw)
+    state[buf] = write_bytes(state[buf], off, t, raw)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jalapeno_emu.chip import load_preset
-from jalapeno_emu.emu import functional
+from jalapeno_emu.emu import functional, tile_bytes
 from jalapeno_emu.emu.batching import GRANULE, batch_schedule
 from jalapeno_emu.emu.functional import run_functional
 from jalapeno_emu.isa.builder import KernelBuilder
@@ -184,13 +184,13 @@ def test_strided_tiles_read_and_write_exactly_their_bytes():
         t = Tile(Space.SRAM, 0, 0, "u8", rows, cols, stride)
         starts = off + np.arange(rows) * t.stride
         want = np.stack([mem[s:s + t.row_bytes] for s in starts])
-        got = np.asarray(functional._read_bytes(jnp.asarray(mem), jnp.int32(off), t))
+        got = np.asarray(tile_bytes.read_bytes(jnp.asarray(mem), jnp.int32(off), t))
         assert np.array_equal(got, want), (rows, cols, stride)
         data = rng.integers(0, 256, (rows, t.row_bytes), dtype=np.uint8)
         expect = mem.copy()
         for s, row in zip(starts, data, strict=True):
             expect[s:s + t.row_bytes] = row
-        got = np.asarray(functional._write_bytes(jnp.asarray(mem), jnp.int32(off), t, jnp.asarray(data)))
+        got = np.asarray(tile_bytes.write_bytes(jnp.asarray(mem), jnp.int32(off), t, jnp.asarray(data)))
         assert np.array_equal(got, expect), (rows, cols, stride)
         span = (rows - 1) * t.stride + t.row_bytes
         offs = np.array([off, off + span + 3, off + 2 * span + 9, off + 2 * span + 9], np.int32)
@@ -200,5 +200,5 @@ def test_strided_tiles_read_and_write_exactly_their_bytes():
         for o, member in zip(offs, batch, strict=True):
             for i, row in enumerate(member):
                 expect[o + i * t.stride:o + i * t.stride + t.row_bytes] = row
-        got = np.asarray(functional._land_all(jnp.asarray(mem), jnp.asarray(offs), t, jnp.asarray(batch)))
+        got = np.asarray(tile_bytes.land_all(jnp.asarray(mem), jnp.asarray(offs), t, jnp.asarray(batch)))
         assert np.array_equal(got, expect), (rows, cols, stride)

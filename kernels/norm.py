@@ -126,6 +126,10 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
     onchip_inputs = not x.in_hbm and (residual is None or not residual.in_hbm)
     r, n_slots = _tiling(h, rows_here, fused, spec, ctx.budget.sram_bytes - kept_bytes,
                          min_tiles=1 if onchip_inputs else 4)
+    # No more slots than a core has tiles: a decode step's rows are one tile, and a second slot
+    # would be allocated (with its semaphores) on every core and never used (a fused step's
+    # 64-core replicated norms spent a third of their build on it).
+    n_slots = min(n_slots, -(-rows_here // r))
     w_h = w.hbm_view(0, 0, 1, h)
     eps_h = eps_ref.hbm_view(0, 0, 1, 1) if eps_ref is not None else \
         ctx.const("eps", np.full((1, 1), eps, np.float32), "f32")

@@ -40,7 +40,7 @@ from jalapeno_emu.emu.tile_bytes import decode, encode, land_all, read_bytes, wr
 from jalapeno_emu.emu.unit_math import inorder_block_matmul, sequential_row_sum
 from jalapeno_emu.errors import InvalidArgumentError, OutOfBounds
 from jalapeno_emu.isa.program import Engine, Instruction, Program, Tile
-from jalapeno_emu.isa.table import DTYPES, by_mnemonic
+from jalapeno_emu.isa.table import DTYPES, Space, by_mnemonic
 from jalapeno_emu.mx.array import MXArray
 from jalapeno_emu.mx.matmul import _matmul_jit
 from jalapeno_emu.mx.quantize import _quantize_jit
@@ -249,14 +249,19 @@ def _signature(ins: Instruction, layout: MemoryLayout, idx: int, spans: list | N
             if key not in slots:
                 slots.append(key)
             offsets.append(off)
-            parts.append((name, slots.index(key), sizes[key], value.space, value.dtype, value.rows,
-                          value.cols, value.stride))
+            parts.append((name, slots.index(key), sizes[key], _SPACE_TEXT[id(value.space)],
+                          value.dtype, value.rows, value.cols, value.stride))
             if spans is not None:
                 spans.append((key, off, off + (value.rows - 1) * value.stride + value.row_bytes,
                               name in written))
         else:
             parts.append((name, value))
     return tuple(parts), tuple(slots), np.asarray(offsets, np.int32)
+
+
+_SPACE_TEXT = {id(space): space.value for space in Space}
+"""A space's name by the member's identity: a signature holds the name (an enum member hashes in
+Python code, and a fused step's plan hashes each signature about twice per instruction)."""
 
 
 @functools.cache
@@ -549,6 +554,7 @@ def _planned(program: Program, seed: int | None = None
     plan: list[tuple] = []
     sigs: list[_Signature | None] = []
     spans: list[list[tuple]] = []
+    fns: dict[_Signature, Callable] = {}  # this plan's functions: one table lookup per signature
     for idx in sequential_order(program, seed=seed):
         ins = program.instructions[idx]
         if ins.mnemonic in _NO_DATA:
@@ -566,7 +572,10 @@ def _planned(program: Program, seed: int | None = None
             continue
         touched: list[tuple] = []
         sig, slots, offsets = _signature(ins, layout, idx, touched)
-        plan.append((idx, _compiled_instruction(sig, ins), slots, offsets))
+        fn = fns.get(sig)
+        if fn is None:
+            fn = fns[sig] = _compiled_instruction(sig, ins)
+        plan.append((idx, fn, slots, offsets))
         sigs.append(sig)
         spans.append(touched)
     return layout, plan, sigs, spans

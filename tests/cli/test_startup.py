@@ -56,3 +56,23 @@ def test_mx_formats_load_without_jax_and_the_rest_on_first_use():
                             "import jalapeno_emu.mx as mx\n"
                             "assert callable(mx.quantize) and callable(mx.matmul)")
     assert "jax" in loaded
+
+
+def _console(args: list[str], prelude: str = "") -> subprocess.CompletedProcess:
+    code = (f"import sys\n{prelude}\nfrom jalapeno_emu.cli.main import console\n"
+            f"sys.argv = ['jalapeno-emu', *{args!r}]\nconsole()")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+
+
+def test_the_console_script_exits_at_once_with_its_status_its_output_and_its_exit_handlers():
+    # exit handlers still run, and piped output is flushed before the process ends
+    handler = "import atexit; atexit.register(lambda: print('handlers ran'))"
+    ok = _console(["chip", "show", "tiny", "--json"], handler)
+    assert ok.returncode == 0 and ok.stdout.rstrip().endswith("handlers ran")
+    assert '"name": "tiny"' in ok.stdout and ok.stdout.index("}") < ok.stdout.index("handlers ran")
+    bad = _console(["chip", "show", "no-such-chip"], handler)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "handlers ran" in bad.stdout
+    # a thread still running: the ordinary exit, which waits for it
+    waits = _console(["chip", "show", "tiny"], "import threading, time\n"
+                     "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()")
+    assert waits.returncode == 0 and "thread done" in waits.stdout

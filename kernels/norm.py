@@ -127,8 +127,8 @@ def emit_rmsnorm(ctx: EmitCtx, x: TensorRef, w: TensorRef, *, eps: float,
     r, n_slots = _tiling(h, rows_here, fused, spec, ctx.budget.sram_bytes - kept_bytes,
                          min_tiles=1 if onchip_inputs else 4)
     # No more slots than a core has tiles: a decode step's rows are one tile, and a second slot
-    # would be allocated (with its semaphores) on every core and never used (a fused step's
-    # 64-core replicated norms spent a third of their build on it).
+    # would be allocated (with its semaphores) on every core and never used (a seventh of a tiny
+    # model's fused decode step build went to it: its norms are replicated on 64 cores).
     n_slots = min(n_slots, -(-rows_here // r))
     w_h = w.hbm_view(0, 0, 1, h)
     eps_h = eps_ref.hbm_view(0, 0, 1, 1) if eps_ref is not None else \

@@ -9,11 +9,12 @@ excluded from the steady-state ratio; ``--whole-program`` also times
 "Emulator speed"): at most 1.5x (an earlier issue asked 2x).
 
 Where the time goes (measured on a 2-core CPU): the default 1024 x 1024 x 2048 program runs 256
-``mxu.matmul`` of [128, 512] x [512, 128] MXFP4; each costs about 480 us as an instruction
-(best of repeats), of which about 300 us is ``mx.matmul``'s own block product at that size,
-which runs about 1.5x slower per MAC than one call on the whole problem (small batched dots
-per 32-deep block). So even free dispatch leaves about 1.5x: the target needs fewer, larger
-matmul calls (same-signature instructions batched), not a faster instruction path.
+``mxu.matmul`` of [128, 512] x [512, 128] MXFP4. ``mx.matmul`` alone on one such tile took
+500-930 us across runs (a plain float32 dot of that size 200-320 us; the rest is decoding codes
+and the fast path's checks), and per MAC a tile is about 2x slower than one call on the whole
+problem: XLA's CPU dot is much less efficient at this size. So even free dispatch leaves well
+over 1.5x on ``tiny``, where the two cores' matmuls depend on each other in turn: the target
+needs fewer, larger matmul calls, not a faster instruction path.
 
 Run: python benchmarks/bench_functional.py [--m 1024 --n 1024 --k 2048] [--json out.json]
 """

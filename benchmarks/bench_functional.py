@@ -13,8 +13,8 @@ Where the time goes (measured on a 2-core CPU): the default 1024 x 1024 x 2048 p
 500-930 us across runs (a plain float32 dot of that size 200-320 us; the rest is decoding codes
 and the fast path's checks), and per MAC a tile is about 2x slower than one call on the whole
 problem: XLA's CPU dot is much less efficient at this size. So even free dispatch leaves well
-over 1.5x on ``tiny``, where the two cores' matmuls depend on each other in turn: the target
-needs fewer, larger matmul calls, not a faster instruction path.
+over 1.5x on ``tiny``, where at most two matmuls (one per core) are ever ready together, fewer
+than a batch: the target needs fewer, larger matmul calls, not a faster instruction path.
 
 Run: python benchmarks/bench_functional.py [--m 1024 --n 1024 --k 2048] [--json out.json]
 """

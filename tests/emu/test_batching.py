@@ -97,13 +97,19 @@ def _per_core_program(cores: int):
     return kb.build()
 
 
+def _same_bytes_batched_or_not(prog, inputs):
+    """The batched run, after checking that it leaves every buffer as one call per instruction does."""
+    batched = run_functional(prog, inputs)
+    single = run_functional(prog, inputs, batch=False)
+    for name, buf in single.buffers.items():
+        assert np.array_equal(batched.buffers[name], buf), name
+    return batched
+
+
 def test_one_step_on_every_core_is_one_call_with_the_same_bytes():
     prog = _per_core_program(16)
     data = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    batched = run_functional(prog, {"x": data})
-    single = run_functional(prog, {"x": data}, batch=False)
-    for name, buf in single.buffers.items():
-        assert np.array_equal(batched.buffers[name], buf), name
+    batched = _same_bytes_batched_or_not(prog, {"x": data})
     np.testing.assert_allclose(batched.read("y"), np.exp(data), rtol=1e-6)
     calls = functional._batched_plan(prog, None)
     assert len(calls) == 3 and all(len(idx) == 16 for idx, *_ in calls)
@@ -115,10 +121,7 @@ def test_a_kernel_on_many_cores_gives_the_same_bytes_batched():
     shape = kd.shape(dict(tokens=4, hidden=128, intermediate=128, experts=8, top_k=2))
     b = kd.build(shape, spec)
     inputs = b.make_inputs(0)
-    batched = run_functional(b.program, inputs)
-    single = run_functional(b.program, inputs, batch=False)
-    for name, buf in single.buffers.items():
-        assert np.array_equal(batched.buffers[name], buf), name
+    batched = _same_bytes_batched_or_not(b.program, inputs)
     assert np.array_equal(batched.read("y").view(np.uint16), b.reference(inputs)["y"].view(np.uint16))
     _, plan = functional._plan(b.program, None)
     calls = functional._batched_plan(b.program, None)
@@ -146,10 +149,7 @@ def _overlapping_stores_program(cores: int):
 def test_a_batch_whose_writes_overlap_lands_them_in_order():
     prog = _overlapping_stores_program(8)
     data = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
-    batched = run_functional(prog, {"x": data})
-    single = run_functional(prog, {"x": data}, batch=False)
-    for name, buf in single.buffers.items():
-        assert np.array_equal(batched.buffers[name], buf), name
+    batched = _same_bytes_batched_or_not(prog, {"x": data})
     order = [i for i in functional._planned(prog, None)[1] if prog.instructions[i[0]].mnemonic == "dma.store"]
     last_core = prog.instructions[order[-1][0]].engine.core
     assert np.array_equal(batched.read("y"), data[4 * last_core:4 * last_core + 4])

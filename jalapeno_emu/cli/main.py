@@ -92,7 +92,9 @@ def exit_now(code: int) -> NoReturn:
 
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     run_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython's, as the exit itself runs them
-    if others or multiprocessing.active_children() or run_handlers is None:
+    # A profiler or tracer (cProfile, coverage) writes its results after this function returns.
+    watched = sys.getprofile() is not None or sys.gettrace() is not None
+    if others or watched or multiprocessing.active_children() or run_handlers is None:
         sys.exit(code)
     run_handlers()
     for stream in (sys.stdout, sys.stderr):
@@ -102,4 +104,5 @@ def exit_now(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    console()
+    # `python -m` runs under runpy, often inside a profiler: the ordinary exit lets it finish.
+    sys.exit(main())

@@ -76,3 +76,18 @@ def test_the_console_script_exits_at_once_with_its_status_its_output_and_its_exi
     waits = _console(["chip", "show", "tiny"], "import threading, time\n"
                      "threading.Thread(target=lambda: (time.sleep(0.5), print('thread done'))).start()")
     assert waits.returncode == 0 and "thread done" in waits.stdout
+
+
+def test_a_profiled_run_exits_the_ordinary_way_so_the_profiler_can_write(tmp_path):
+    # under a profiler, code after the command (the profiler's own dump) must still run
+    code = ("import sys, cProfile\npr = cProfile.Profile(); pr.enable()\n"
+            "from jalapeno_emu.cli.main import console\n"
+            "sys.argv = ['jalapeno-emu', 'chip', 'show', 'tiny']\n"
+            "try:\n    console()\nfinally:\n    pr.disable(); print('profile kept')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("profile kept")
+    # `python -m cProfile -o F -m jalapeno_emu.cli.main ...` writes F
+    out = tmp_path / "run.prof"
+    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "jalapeno_emu.cli.main",
+                          "chip", "show", "tiny"], capture_output=True, text=True, check=False)
+    assert run.returncode == 0 and out.stat().st_size > 0

@@ -340,9 +340,12 @@ class Region:
         self.engines[engine] = None
         wait = ISSUE_LAYOUTS["sem.wait"]
         covered = self._covered
+        log = self.kb._fence_log
         for f in self.fences:
             if f not in covered:  # (a fence added later may imply an earlier one)
-                wait.issue(self.kb, engine, f, f"{self.name}:fence")
+                ins = wait.issue(self.kb, engine, f, f"{self.name}:fence")
+                if log is not None:
+                    log.append(ins)
 
     def add_fences(self, fences: Any) -> None:
         """Add fence conditions; engines already in the region wait for the new ones now (their
@@ -398,6 +401,7 @@ class KernelBuilder:
         # On-chip buffers as allocated, (space, core, name) -> (dtype, shape), for reading back.
         self._buffers: dict[tuple[str, int, str], tuple[str, tuple[int, int]]] = {}
         self._region: Region | None = None  # the region being emitted into, if any
+        self._fence_log: list[Instruction] | None = None  # fence waits issued, while repeat records
         self._regions: list[Region] = []
         # A closed region's done condition -> every fence condition it implies (Region._take).
         self._implied: dict[tuple[int, int], frozenset[tuple[int, int]]] = {}
@@ -562,19 +566,23 @@ class KernelBuilder:
         """Issue ``body(i)`` for ``i`` in ``range(count)``, as hardware loops.
 
         ``body(i)`` issues iteration ``i``'s instructions, on any engines, exactly as the body of
-        a Python ``for`` loop would. Iteration 0 is issued as it is (an engine's first
-        instruction in a region brings the region's fences); iterations 1..count-1 become one
-        ``Loop`` per engine, so the program does not grow with ``count`` and the builder calls
-        ``body`` four times, not ``count`` times. For that, every operand that changes from one
-        iteration to the next must change by the same step (tile offsets, wait values,
-        semaphore ids): the steps are read from iterations 1 and 2 and checked against
-        iteration ``count - 1``. ``body`` must depend on nothing but ``i`` (no counters it
-        advances) and allocate no memory or semaphores: allocate before the loop.
+        a Python ``for`` loop would. They become one ``Loop`` per engine, so the program does not
+        grow with ``count`` and the builder calls ``body`` three times (iterations 0, 1 and
+        ``count - 1``), not ``count`` times. An engine's first instruction in a region brings the
+        region's fences: those waits stay plain instructions before the loops. Where iteration 0
+        differs from the others in more than that, it is issued as it is and iterations
+        1..count-1 become the loops (``body`` then runs a fourth time, for iteration 2). For
+        that, every operand that changes from one iteration to the next must change by the same
+        step (tile offsets, wait values, semaphore ids): the steps are read from two consecutive
+        iterations and checked against iteration ``count - 1``. ``body`` must depend on nothing
+        but ``i`` (no counters it advances) and allocate no memory or semaphores: allocate before
+        the loop.
 
-        Legality is checked on iterations 0, 1, 2 and ``count - 1``. That covers all of them:
-        operands are affine in ``i``, a bound (a tile inside its memory, a value in its field)
-        holds between its first and last iteration if it holds at both ends, and an alignment
-        holds for every iteration once it holds for two consecutive ones.
+        Legality is checked on every iteration issued (0, 1, ``count - 1``, and 2 when iteration
+        0 stands apart). That covers all of them: operands are affine in ``i``, a bound (a tile
+        inside its memory, a value in its field) holds between its first and last iteration if
+        it holds at both ends, and an alignment holds for every iteration once it holds for two
+        consecutive ones.
 
         Inside ``unrolled_loops()`` every iteration is issued as plain instructions: the same
         program with each engine's instructions in the same order.
@@ -597,19 +605,38 @@ class KernelBuilder:
             for i in range(count):
                 body(i)
             return ()
-        body(0)
+        start = len(self._instructions)
+        self._fence_log = fences = []
+        try:
+            body(0)
+        finally:
+            self._fence_log = None
         marks = (len(self._allocs), len(self._sems), len(self._regions), self._region)
-        probes = []
-        for i in (1, 2, count - 1):
-            start = len(self._instructions)
+
+        def probe(i: int) -> list[Instruction]:
+            at = len(self._instructions)
             body(i)
             if (len(self._allocs), len(self._sems), len(self._regions), self._region) != marks:
                 raise InvalidArgumentError(
                     f"the body of repeat({count}) allocates memory, semaphores or regions in "
                     f"iteration {i}; allocate them before the loop and index them by i")
-            probes.append(self._instructions[start:])
+            issued = self._instructions[at:]
+            del self._instructions[at:]
+            return issued
+
+        first = self._instructions[start:]
+        if fences:
+            waits = {id(ins) for ins in fences}
+            first = [ins for ins in first if id(ins) not in waits]
+        second, last = probe(1), probe(count - 1)
+        try:
+            loops = loops_from_iterations(first, second, last, count)
+        except (InvalidArgumentError, IllegalInstruction):  # (a step that overshoots: a Loop's error)
+            # Iteration 0 differs in more than its fences: it stays as issued, the loops start at 1.
+            loops = loops_from_iterations(second, probe(2), last, count - 1, first_index=1)
+        else:
             del self._instructions[start:]
-        loops = loops_from_iterations(probes[0], probes[1], probes[2], count - 1, first_index=1)
+            self._instructions.extend(fences)
         self._instructions.extend(loops)
         return tuple(loops)
 

@@ -342,5 +342,57 @@ def test_issue_in_rounds_loops_only_whole_steady_rounds(n, steady_from, loops):
         plain = _rounds_kernel(n, steady_from)
     assert bool(program.loops) == loops
     if loops:
-        assert all(loop.count == 4 for loop in program.loops)  # rounds 1..4; round 0 is issued as is
+        assert all(loop.count == 5 for loop in program.loops)  # the run's five rounds
     _same_per_engine(program, plain)
+
+
+def _fenced_kernel(first_wait: int, extra_first: bool = False) -> tuple[Program, Program]:
+    """Six iterations of load-then-signal on a queue first used inside a fenced region (so
+    iteration 0 brings the fence's wait), looped and unrolled; iteration 0 waits for ``ticks``
+    to reach ``first_wait`` (iteration i: i + 1) and, with ``extra_first``, issues one more load."""
+    def build() -> Program:
+        kb = KernelBuilder("fenced", "tiny")
+        a = kb.hbm("A", (8 * 6, 64), "f32")
+        buf = kb.sram(0, "buf", (8, 64), "f32")
+        gate, ticks, done = kb.semaphore("gate"), kb.semaphore("ticks"), kb.semaphore("done")
+        c = kb.core(0)
+        for _ in range(12):
+            c.dma[1].signal(ticks)
+        c.dma[1].signal(gate)
+
+        def body(i: int) -> None:
+            c.dma[0].wait(ticks, first_wait if i == 0 else i + 1)
+            if extra_first and i == 0:
+                c.dma[0].load(buf, a.sub(0, 0, 8, 64))
+            c.dma[0].load(buf, a.sub(8 * i, 0, 8, 64))
+            c.dma[0].signal(done)
+
+        with kb.region("fenced", fences=((gate.id, 1),)):
+            kb.repeat(6, body)
+        return kb.build()
+
+    looped = build()
+    with unrolled_loops():
+        plain = build()
+    return looped, plain
+
+
+def test_repeat_keeps_a_regions_fences_before_the_loop_and_loops_every_iteration():
+    looped, plain = _fenced_kernel(1)
+    (loop,) = looped.loops
+    assert loop.count == 6 and loop.engine == Engine(0, "dma", 0)
+    fence = looped.items[looped.items.index(loop) - 1]
+    assert fence.mnemonic == "sem.wait" and fence.engine == loop.engine and fence.source == "fenced:fence"
+    _same_per_engine(looped, plain)
+    spec = load_preset("tiny")
+    assert run_timing(looped, spec).summary() == run_timing(plain, spec).summary()
+
+
+@pytest.mark.parametrize("first_wait, extra_first", [(9, False), (1, True)])
+def test_repeat_issues_a_first_iteration_that_differs_as_it_is(first_wait, extra_first):
+    # iteration 0 is not on the others' steps (another wait value, or another instruction):
+    # it stays plain and iterations 1..5 are the loop
+    looped, plain = _fenced_kernel(first_wait, extra_first)
+    (loop,) = looped.loops
+    assert loop.count == 5
+    _same_per_engine(looped, plain)

@@ -77,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--requests", type=int, help="measured requests (default max(64, 2 x concurrency))")
     p.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
+    add_executor_options(p)  # kernel builds of the step model's grid points, side by side
     p.set_defaults(run=run_serve)
 
     p = sub.add_parser("sweep", help="every concurrency x the mappings worth simulating: Pareto frontier")
@@ -197,7 +198,9 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
 def run_serve(app: App, args: argparse.Namespace) -> int:
     """Predict one serving point."""
     from jalapeno_emu.model.config import load_model_config
+    from jalapeno_emu.parallel import executor
     from jalapeno_emu.rack.deployment import check_workload, predict
+    from jalapeno_emu.rack.launch_timer import launch_executor
 
     # Arguments beyond their limits are refused before the status line, not after it.
     cfg = load_model_config(args.model)
@@ -207,22 +210,23 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
         f"{args.model} on {args.preset} at {args.isl}/{args.osl}, concurrency {args.concurrency}"
         + ("" if args.mapping else f" (searching the best mapping for {args.objective})")
     )
-    pred = predict(
-        cfg,
-        _spec(args, args.preset),
-        args.isl,
-        args.osl,
-        args.concurrency,
-        mapping=args.mapping,
-        objective=args.objective,
-        routing=args.routing,
-        chips=args.chips,
-        finalists=args.finalists,
-        max_batch_tokens=args.max_batch_tokens,
-        requests=args.requests,
-        seed=args.seed,
-        disk_cache=_cache(args),
-    )
+    with executor(args.workers, args.scheduler) as pool, launch_executor(pool):
+        pred = predict(
+            cfg,
+            _spec(args, args.preset),
+            args.isl,
+            args.osl,
+            args.concurrency,
+            mapping=args.mapping,
+            objective=args.objective,
+            routing=args.routing,
+            chips=args.chips,
+            finalists=args.finalists,
+            max_batch_tokens=args.max_batch_tokens,
+            requests=args.requests,
+            seed=args.seed,
+            disk_cache=_cache(args),
+        )
     doc = pred.as_dict()
     if app.json_output:
         app.emit_json("serve", doc)

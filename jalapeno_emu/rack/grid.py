@@ -8,6 +8,11 @@ interpolation itself must cost microseconds, not the grid points it reads).
 - :class:`LazyGrid2D`: three figures (seconds, HBM bytes, FLOPs) on an (x, y) grid, bilinear, with
   a floored linear extrapolation beyond the last x.
 
+A grid may be given ``prefetch``: called with the points (as the ints ``f`` takes) a query is
+about to time, before it times them one by one, so that their builds can run side by side
+(:meth:`jalapeno_emu.rack.launch_timer.LaunchTimer.prefetch`). It only warms what ``f`` reads;
+every figure is still ``f``'s.
+
 Every form of a query (one float, a numpy array of ys, an arithmetic run of ys summed by the
 compiled loop) does the same floating-point operations in the same order, so a step's price does
 not depend on which form priced it: the serving simulator's decode stretches (arrays) and single
@@ -55,10 +60,13 @@ class LazyGrid1D:
     Args:
         grid: float64[n] increasing grid (x values passed to ``f`` as ints).
         f: the figure at one grid point.
+        prefetch: called with the xs (ints) about to be computed, when one is (see the module
+            docstring); None: nothing.
     """
 
-    def __init__(self, grid: np.ndarray, f: Callable[[int], float]) -> None:
-        self.grid, self.f = grid, f
+    def __init__(self, grid: np.ndarray, f: Callable[[int], float], *,
+                 prefetch: Callable[[list[int]], Any] | None = None) -> None:
+        self.grid, self.f, self.prefetch = grid, f, prefetch
         self._grid = [float(g) for g in grid]
         self.values: dict[int, float] = {}
         self._answers: dict[float, float] = {}  # a sweep asks the same few thousand xs again and again
@@ -76,6 +84,10 @@ class LazyGrid1D:
         v = self._answers.get(x)
         if v is None:
             i0, w0 = bracket1(self._grid, x)
+            if self.prefetch is not None:
+                wanted = [i for i in ((i0, i0 + 1) if w0 != 0.0 else (i0,)) if i not in self.values]
+                if wanted:
+                    self.prefetch([int(self.grid[i]) for i in wanted])
             v = self.point(i0)
             if w0 != 0.0:
                 v = v + w0 * (self.point(i0 + 1) - v)
@@ -94,6 +106,8 @@ class LazyGrid2D:
         f: the figures (seconds, HBM bytes, FLOPs) at one grid point (ints).
         bytes_per_s: the achievable HBM rate, for the extrapolation's floor.
         flops_per_s: the peak FLOP rate, for the extrapolation's floor.
+        prefetch: called with the (x, y) points (ints) a query is about to compute (see the
+            module docstring); None: nothing.
     """
 
     def __init__(
@@ -103,8 +117,10 @@ class LazyGrid2D:
         f: Callable[[int, int], np.ndarray],
         bytes_per_s: float,
         flops_per_s: float,
+        *,
+        prefetch: Callable[[list[tuple[int, int]]], Any] | None = None,
     ) -> None:
-        self.xs, self.ys, self.f = xs, ys, f
+        self.xs, self.ys, self.f, self.prefetch = xs, ys, f, prefetch
         self._xs, self._ys = [float(v) for v in xs], [float(v) for v in ys]
         self.bytes_per_s, self.flops_per_s = bytes_per_s, flops_per_s
         self.values: dict[tuple[int, int], np.ndarray] = {}
@@ -112,6 +128,26 @@ class LazyGrid2D:
         # ys (a decode stretch of a thousand steps) is gathered by indexing, not a Python loop.
         self._table = np.full((xs.size, ys.size, 3), np.nan)
         self._floats: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+    def _rows(self, x: float) -> tuple[int, ...]:
+        """The x grid indices a query at ``x`` reads."""
+        top = len(self._xs) - 1
+        if x > self._xs[top]:
+            return (top - 1, top)
+        i0, w0 = bracket1(self._xs, float(x))
+        return (i0, i0 + 1) if w0 != 0.0 else (i0,)
+
+    def _want(self, x: float, ys: np.ndarray) -> None:
+        """Hand ``prefetch`` every grid point a query at ``x`` for ``ys`` reads and nobody has
+        computed yet (nothing when there is no ``prefetch`` or no such point)."""
+        if self.prefetch is None:
+            return
+        j, w = bracket(self.ys, np.asarray(ys, dtype=np.float64))
+        cols = np.union1d(j, j[w > 0] + 1).tolist()
+        wanted = [(int(self.xs[i]), int(self.ys[c])) for i in self._rows(x) for c in cols
+                  if (i, c) not in self.values]
+        if wanted:
+            self.prefetch(wanted)
 
     def _point(self, i: int, j: int) -> np.ndarray:
         v = self.values.get((i, j))
@@ -157,6 +193,8 @@ class LazyGrid2D:
         """The time (s) at ``x`` for each of ``ys`` (an array: float64[n]; one float: a float)."""
         if not isinstance(ys, np.ndarray):
             return self._at(x, float(ys))
+        if self.prefetch is not None and np.isnan(self._table[list(self._rows(x)), :, 0]).any():
+            self._want(x, ys)
         top = self.xs.size - 1
         if x > self.xs[top]:
             hi, lo = self._column(top, ys), self._column(top - 1, ys)
@@ -177,6 +215,15 @@ class LazyGrid2D:
 
     def _at(self, x: float, y: float) -> float:
         """:meth:`__call__` at one y, in plain floats (the same arithmetic)."""
+        if self.prefetch is not None:
+            j0, w0 = bracket1(self._ys, y)
+            cols = (j0, j0 + 1) if w0 != 0.0 else (j0,)
+            if any((i, c) not in self.values for i in self._rows(x) for c in cols):
+                self._want(x, np.array([y]))
+        return self._at_known(x, y)
+
+    def _at_known(self, x: float, y: float) -> float:
+        """:meth:`_at` without asking ``prefetch`` (the caller has)."""
         top = len(self._xs) - 1
         if x > self._xs[top]:
             hi, lo = self._column1(top, y), self._column1(top - 1, y)
@@ -214,9 +261,11 @@ class LazyGrid2D:
         return total
 
     def _run_sum_floats(self, x: float, first_y: float, dy: float, count: int) -> float:
+        if self.prefetch is not None and np.isnan(self._table[list(self._rows(x)), :, 0]).any():
+            self._want(x, first_y + dy * np.arange(count, dtype=np.float64))
         total = 0.0
         for j in range(count):
-            total += self._at(x, first_y + dy * float(j))
+            total += self._at_known(x, first_y + dy * float(j))
         return total
 
 

@@ -23,6 +23,13 @@ appended whole, and a timer reads the file when it is made and, on each miss, th
 processes have appended since, so a sweep's workers build a figure once between them unless they
 reach it at the same moment.
 
+**Launches timed side by side.** Inside :func:`launch_executor` (``serve`` uses it with its
+``--workers``), a grid that finds several points untimed at once hands their launches to
+:meth:`LaunchTimer.prefetch`, which builds and times them on the executor's processes: the same
+function on the same arguments, so the same figures as one after the other. A build that fails
+there is left to :meth:`LaunchTimer.time`, which raises or splits it as it always did. Sweeps
+already run their points in processes; there nothing is set and everything runs in order.
+
 **Re-timing** (for calibration). A Program depends on a spec's structural fields only, so timers
 of specs that differ in timing fields alone can share builds: a timer's ``followers`` (timers of
 such specs) get every Program this timer builds timed on their own spec too, as it is built, and
@@ -35,9 +42,12 @@ model) uses for its spec.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +62,8 @@ from jalapeno_emu.kernels.registry import get_kernel
 from jalapeno_emu.model.plan import Launch
 from jalapeno_emu.model.timing import gc_paused
 
-__all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "install_timer", "shared_timer"]
+__all__ = ["BATCH_KEYS", "LaunchTime", "LaunchTimer", "code_fingerprint", "install_timer", "launch_executor",
+           "shared_timer"]
 
 BATCH_KEYS: dict[str, str] = {
     "gemm": "m",
@@ -195,6 +206,50 @@ class LaunchTimer:
                 hit = self._measure(launch, split)
             self._times[key] = hit
         return hit
+
+    def prefetch(self, launches: Sequence[Launch]) -> int:
+        """Build and time at once, on the executor of :func:`launch_executor`, those of
+        ``launches`` that neither this timer nor the disk cache knows; :meth:`time` then finds
+        them. Nothing runs without such an executor, for fewer than two new launches, or on a
+        timer that keeps its programs or has followers (those need the Program here).
+
+        Returns:
+            How many launches were timed.
+        """
+        use = _EXECUTOR[-1]
+        if use is None or self._programs is not None or self.followers:
+            return 0
+        todo: dict[tuple[str, tuple], Launch] = {}
+        for launch in launches:
+            key = (launch.kernel, launch.shape)
+            if key in self._times or key in todo:
+                continue
+            hit = self._from_disk(_key(launch))
+            if isinstance(hit, LaunchTime):
+                self._times[key] = hit
+            else:
+                todo[key] = launch
+        # Worth a pool only when the builds would take longer one by one than starting it (its
+        # processes import the project first); the builds so far tell what one costs here.
+        expected_s = len(todo) * self.build_wall_s / self.builds if self.builds else 0.0
+        if len(todo) < 2 or expected_s <= (0.0 if use.started else use.start_s):
+            return 0
+        from jalapeno_emu.parallel import ordered_map
+
+        use.started = True
+        t0 = time.perf_counter()
+        tasks = [(launch, launch.shape_dict, self.spec) for launch in todo.values()]
+        summaries = ordered_map(_build_and_time_or_none, tasks, executor=use.pool)
+        done = 0
+        for (key, launch), summary in zip(todo.items(), summaries, strict=True):
+            if summary is None:  # refused: time() splits or raises it, as without prefetching
+                continue
+            self._times[key] = _launch_time(summary)
+            self._remember(launch, self._times[key])
+            done += 1
+        self.builds += done
+        self.build_wall_s += time.perf_counter() - t0
+        return done
 
     def time_part(self, cfg: Any, layer: int, step: Any, launches: tuple[Launch, ...]) -> LaunchTime:
         """The figures of ``launches`` (part of layer ``layer`` of ``cfg`` for ``step``) run as one
@@ -396,6 +451,50 @@ def _build_and_time(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> di
         summary = run_timing(build.program, spec).summary()
         del build
     return summary
+
+
+def _build_and_time_or_none(launch: Launch, shape: dict[str, Any], spec: ChipSpec) -> dict[str, Any] | None:
+    """:func:`_build_and_time` for :meth:`LaunchTimer.prefetch` (in another process): None where
+    the kernel refuses the shape."""
+    try:
+        return _build_and_time(launch, shape, spec)
+    except InvalidArgumentError:
+        return None
+
+
+POOL_START_S = 4.0
+"""Seconds of builds, one after the other, below which :meth:`LaunchTimer.prefetch` leaves a
+batch to run here rather than start a local pool: measured, two spawned processes importing the
+project and running one small build each took 2-3.5 s on a 2-core machine."""
+
+
+@dataclass
+class _Use:
+    pool: Executor
+    start_s: float
+    started: bool = False
+
+
+_EXECUTOR: list[_Use | None] = [None]
+
+
+@contextlib.contextmanager
+def launch_executor(pool: Executor | None, *, start_s: float = POOL_START_S) -> Iterator[None]:
+    """Inside the block, :meth:`LaunchTimer.prefetch` runs builds on ``pool`` (None: nowhere,
+    they run one by one when needed). The pool's tasks must reach this code: local processes
+    (:class:`jalapeno_emu.parallel.LocalPool`) or a cluster with jalapeno-emu installed.
+
+    Args:
+        pool: the executor.
+        start_s: a batch goes to the pool only when its builds would take longer than this one
+            after the other (estimated from this timer's builds so far), until the pool has
+            been used once; then any batch of two or more does.
+    """
+    _EXECUTOR.append(None if pool is None else _Use(pool, start_s))
+    try:
+        yield
+    finally:
+        _EXECUTOR.pop()
 
 
 @dataclass(frozen=True)

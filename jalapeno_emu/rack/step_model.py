@@ -240,7 +240,10 @@ class RackStepModel:
         self._dec: dict[tuple[int, bool], LazyGrid2D] = {}
         self._pre: dict[tuple[int, bool], LazyGrid2D] = {}
         for kind, layer in self._rep.items():
-            self._tok[kind] = LazyGrid1D(_POW2, lambda t, layer=layer: self._token_s(layer, t))
+            self._tok[kind] = LazyGrid1D(
+                _POW2, lambda t, layer=layer: self._token_s(layer, t),
+                prefetch=lambda ts, layer=layer: self._prefetch(
+                    [token_launches(self.cfg, self.mapping, layer, t) for t in ts]))
             self._dec[kind] = LazyGrid2D(
                 b_grid,
                 CONTEXT_GRID,
@@ -249,6 +252,8 @@ class RackStepModel:
                     layer, Step("decode", batch=int(b), context=int(c)),
                 ),
                 *rates,
+                prefetch=lambda pts, layer=layer: self._prefetch(
+                    [decode_attention_launches(self.cfg, self.mapping, layer, b, c) for b, c in pts]),
             )
             self._pre[kind] = LazyGrid2D(
                 n_grid,
@@ -258,6 +263,8 @@ class RackStepModel:
                     layer, Step("prefill", batch=1, seq=int(n), prior=int(p)),
                 ),
                 *rates,
+                prefetch=lambda pts, layer=layer: self._prefetch(
+                    [prefill_attention_launches(self.cfg, self.mapping, layer, n, p) for n, p in pts]),
             )
         self._head = LazyGrid1D(_POW2, lambda t: self._launches_s(chip_head_launches(self.cfg, t)))
         self._tail = LazyGrid1D(
@@ -279,6 +286,14 @@ class RackStepModel:
             self._moe_pieces: dict[int, tuple[float, bool]] = {}
             self._moe_refused: set[int] = set()  # batches the kernel refused (not monotone in tokens)
             self._moe_answers: dict[float, float] = {}  # steps repeat their received token counts
+
+    def _prefetch(self, points: Sequence[Sequence[Any]]) -> None:
+        """Time side by side the launches of grid points about to be computed, each point's
+        launches as ``_figures`` will ask for them: all of them without fusion, a lone one with
+        (several are one fused part, built where it is asked for)."""
+        wanted = [la for launches in points
+                  if self.fusion == "none" or len(launches) == 1 for la in launches]
+        self.timer.prefetch(wanted)
 
     def _figures(self, launches: Sequence[Any], layer: int | None = None,
                  step: Step | None = None) -> np.ndarray:

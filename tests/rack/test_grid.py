@@ -64,3 +64,23 @@ def test_a_1d_grid_is_piecewise_linear_and_clamped():
     g = LazyGrid1D(np.array([1.0, 2.0, 4.0]), lambda t: calls.append(t) or 10.0 * t)
     assert g(3.0) == 30.0 and g(0.5) == 10.0 and g(8.0) == 40.0
     assert sorted(calls) == [1, 2, 4]
+
+
+def test_a_query_hands_prefetch_every_point_it_will_time_at_once_and_the_figures_do_not_change():
+    calls, asked = [], []
+    plain = _grid([])
+    grid = _grid(calls)
+    grid.prefetch = lambda points: asked.append(sorted(points))
+    assert grid.run_sum(48.0, 600.0, 10.0, 8) == plain.run_sum(48.0, 600.0, 10.0, 8)
+    assert asked == [[(32, 512), (32, 1024), (64, 512), (64, 1024)]] and sorted(calls) == asked[0]
+    # known points are not asked for again, by any form of query
+    assert grid(48.0, 700.0) == plain(48.0, 700.0) and grid.run_sum(48.0, 600.0, 10.0, 8) and len(asked) == 1
+    ys = np.array([0.0, 100.0, 700.0])
+    assert np.array_equal(grid(40.0, ys), plain(40.0, ys))
+    assert asked[1] == [(32, 0), (64, 0)]  # only the points not timed yet
+    assert grid(300.0, 512.0) == plain(300.0, 512.0)  # beyond the last x: the last two columns
+    assert asked[2] == [(128, 512), (256, 512)]
+    assert len(calls) == len(set(calls))
+    one = []
+    g = LazyGrid1D(np.array([1.0, 2.0, 4.0]), lambda t: 10.0 * t, prefetch=one.append)
+    assert g(3.0) == 30.0 and g(2.5) == 25.0 and one == [[2, 4]]

@@ -8,7 +8,7 @@ from jalapeno_emu.kernels.base import KernelDef
 from jalapeno_emu.kernels.registry import get_kernel, register
 from jalapeno_emu.model.plan import launch
 from jalapeno_emu.rack import launch_timer
-from jalapeno_emu.rack.launch_timer import LaunchTimer
+from jalapeno_emu.rack.launch_timer import LaunchTimer, launch_executor
 
 _CAP = 64
 
@@ -96,3 +96,25 @@ def test_the_moe_grouping_is_the_kernels_and_is_remembered_on_disk(monkeypatch, 
     assert [second.moe_grouping(la) for la in (slots, gather)] == expected
     with pytest.raises(AssertionError, match="planners ran again"):
         LaunchTimer(spec).moe_grouping(slots)
+
+
+def test_prefetch_times_new_launches_on_the_executor_with_the_figures_time_gives(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setitem(launch_timer.BATCH_KEYS, _CAPPED.name, "tokens")
+    las = [launch("attn_norm", "rmsnorm", tokens=t, hidden=256) for t in (8, 16, 32)]
+    refused = launch("x", _CAPPED.name, tokens=128, hidden=256)
+    serial = LaunchTimer("jalapeno-v1")
+    expected = [serial.time(la) for la in [*las, refused]]
+    timer = LaunchTimer("jalapeno-v1")
+    assert timer.prefetch(las) == 0 and timer.builds == 0  # no executor: nothing runs
+    timer.time(launch("attn_norm", "rmsnorm", tokens=4, hidden=256))  # one build to go by
+    with ThreadPoolExecutor(2) as pool:
+        with launch_executor(pool, start_s=1e9):  # not worth starting the pool: nothing runs
+            assert timer.prefetch(las) == 0 and timer.builds == 1
+        with launch_executor(pool, start_s=0.0):
+            # the refused batch is left to time(), which splits it as before
+            assert timer.prefetch([*las, las[0], refused]) == 3 and timer.builds == 4
+            assert timer.prefetch(las) == 0  # known now
+    assert [timer.time(la) for la in [*las, refused]] == expected
+    assert timer.builds == 5  # the refused batch's halves (one shape, built once), nothing else

@@ -148,3 +148,19 @@ def test_a_timer_sees_what_other_processes_wrote_since_it_started(tmp_path):
     launch = Launch("ffn", "gemm", tuple(sorted(shape.items())))
     built = first.time(launch)
     assert first.builds == 1 and second.time(launch) == built and second.builds == 0
+
+
+def test_a_prediction_with_builds_side_by_side_equals_the_serial_one(fresh_caches, monkeypatch):
+    from jalapeno_emu.rack.deployment import predict
+    from jalapeno_emu.rack.launch_timer import launch_executor
+
+    fresh_caches()
+    serial = predict(TINY["cfg"], "tiny", TINY["isl"], TINY["osl"], 2, mapping="tp=2").as_dict()
+    fresh_caches()
+    ran = []
+    prefetch = LaunchTimer.prefetch
+    monkeypatch.setattr(LaunchTimer, "prefetch", lambda self, las: ran.append(prefetch(self, las)) or ran[-1])
+    with ThreadPoolExecutor(2) as pool, launch_executor(pool, start_s=0.0):
+        side_by_side = predict(TINY["cfg"], "tiny", TINY["isl"], TINY["osl"], 2, mapping="tp=2").as_dict()
+    assert sum(ran) >= 4  # grid points' launches did run on the pool
+    assert side_by_side == serial

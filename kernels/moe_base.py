@@ -63,6 +63,7 @@ __all__ = [
     "view",
     "weight_cols",
     "weight_specs",
+    "widest",
 ]
 
 SWIGLU_ALPHA = 1.702
@@ -116,12 +117,18 @@ class MoeLayout:
     @property
     def slice_max(self) -> int:
         """Widest slice."""
-        return max(w for _, w in self.slices)
+        return widest(self.slices)
 
 
 def expected_distinct_experts(experts: int, top_k: int, tokens: int) -> float:
     """E * (1 - (1 - k/E)^T): distinct experts hit when each of T tokens picks k of E uniformly."""
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+@functools.lru_cache(maxsize=4096)  # the planners ask it of the same few layouts a million times
+def widest(pieces: tuple[tuple[int, int], ...]) -> int:
+    """The largest width among (start, width) pieces."""
+    return max(w for _, w in pieces)
 
 
 def slices_of(i: int, w: int) -> tuple[tuple[int, int], ...]:
@@ -131,6 +138,7 @@ def slices_of(i: int, w: int) -> tuple[tuple[int, int], ...]:
 
 
 # --- sizes and views --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1 << 16)  # the planners size the same few hundred tiles millions of times
 def aligned(dtype: str, shape: tuple[int, int]) -> int:
     """Scratchpad bytes of a packed tile with the builder's 64-byte alignment."""
     return -(-shape[0] * DTYPES[dtype].row_bytes(shape[1]) // 64) * 64

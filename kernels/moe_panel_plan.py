@@ -18,7 +18,7 @@ from jalapeno_emu.isa.program import Tile
 from jalapeno_emu.isa.table import DTYPES
 
 from .base import TensorSpec
-from .moe_base import MoeLayout, Spec, layout_bytes, mx_specs, slices_of, weight_specs
+from .moe_base import MoeLayout, Spec, layout_bytes, mx_specs, slices_of, weight_specs, widest
 from .moe_pack import split_layout
 from .moe_routing import routing_buffers, routing_dims
 from .planning import Budget, DoesNotFit, core_hbm_bytes_per_s, memoised_planner, mxu_cycles_per_step
@@ -68,7 +68,7 @@ class PanelPlan(MoeLayout):
     @property
     def hb(self) -> int:
         """Widest H block of the down projection."""
-        return max(w for _, w in self.down_blocks)
+        return widest(self.down_blocks)
 
     @property
     def direct(self) -> bool:
@@ -248,11 +248,12 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str) -> float:
     x_panel = 0 if p.x_resident else p.t * p.hk * 33 // 32
     kpanels, ipanels = panels(p.h, p.hk), panels(p.i, p.ik)
     out_s = 0.0
+    n_gu, n_down = p.terms * len(p.slices), p.terms * len(p.down_blocks)  # len of gu_items(), down_items()
     phases = (
-        (len(p.gu_items()), len(kpanels), p.hk * 2 * p.slice_max * 17 // 32 + x_panel,
+        (n_gu, len(kpanels), p.hk * 2 * p.slice_max * 17 // 32 + x_panel,
          row_tiles * -(-2 * p.slice_max // mx.tile_n) * (p.hk // mx.tile_k) * step_s,
          p.h * 2 * p.i * 17 // 32 // max(1, len(p.slices)) + p.t * p.slice_max),
-        (len(p.down_items()), len(ipanels), p.ik * p.hb * 17 // 32 + p.t * p.ik * 33 // 32,
+        (n_down, len(ipanels), p.ik * p.hb * 17 // 32 + p.t * p.ik * 33 // 32,
          row_tiles * -(-p.hb // mx.tile_n) * (p.ik // mx.tile_k) * step_s,
          p.i * p.hb * 17 // 32 + p.t * p.i + 4 * p.t * p.hb),
     )
@@ -263,8 +264,8 @@ def _estimate_s(p: PanelPlan, spec: ChipSpec, act_fmt: str) -> float:
     outs_bytes = 0 if p.direct else 8 * p.terms * p.t * p.h  # FP32 rows stored, then read to combine
     out_s += (outs_bytes + (p.h if p.x_resident else 0) * p.t * p.cores) / bw
     # About six instructions per panel: small panels make a program slow to build, check and time.
-    gu_steps = len(p.gu_items()) * len(kpanels)
-    dn_steps = len(p.down_items()) * len(ipanels)
+    gu_steps = n_gu * len(kpanels)
+    dn_steps = n_down * len(ipanels)
     instructions = 6 * (gu_steps + dn_steps)
     return out_s * (1 + instructions / _INSTRUCTIONS_PER_PERCENT / 100
                     + max(0, instructions - _MAX_INSTRUCTIONS) / _MAX_INSTRUCTIONS)
@@ -380,19 +381,22 @@ def _shrink(p: PanelPlan, shape: dict[str, Any], sram_cap: int) -> PanelPlan | N
             return None
         return PanelPlan(**{**q.__dict__, key: half})
 
-    while _sram_bytes(p, shape) > sram_cap:
-        sizes = [layout_bytes(lay) for lay in core_layouts(p, shape)]
+    fmt = shape["act_fmt"]
+    phase_specs = (lambda q: _route_specs(q, fmt), None, lambda q: _dn_specs(q, fmt), _combine_specs)
+    sizes = [layout_bytes(lay) for lay in core_layouts(p, shape)]
+    while max(sizes) + layout_bytes(plain_specs(p)) + 64 * 8 > sram_cap:  # _sram_bytes, from sizes
         phase = sizes.index(max(sizes))
         options = {0: [("qc", p.h), ("rk", p.h)], 1: [], 2: [("ik", p.i)], 3: [("hc", p.h)]}[phase]
         q = None
         for key, total in options:
             q = halve(p, key, total)
-            if q is not None and layout_bytes(core_layouts(q, shape)[phase]) < sizes[phase]:
+            if q is not None and layout_bytes(phase_specs[phase](q)) < sizes[phase]:
                 break
             q = None
         if q is None:
             return None
         p = q
+        sizes = [layout_bytes(lay) for lay in core_layouts(p, shape)]
     return p
 
 def panel_tensors(p: PanelPlan, shape: dict[str, Any]) -> tuple[TensorSpec, ...]:

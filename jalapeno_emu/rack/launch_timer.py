@@ -26,9 +26,11 @@ reach it at the same moment.
 **Launches timed side by side.** Inside :func:`launch_executor` (``serve`` uses it with its
 ``--workers``), a grid that finds several points untimed at once hands their launches to
 :meth:`LaunchTimer.prefetch`, which builds and times them on the executor's processes: the same
-function on the same arguments, so the same figures as one after the other. A build that fails
-there is left to :meth:`LaunchTimer.time`, which raises or splits it as it always did. Sweeps
-already run their points in processes; there nothing is set and everything runs in order.
+function on the same arguments, so the same figures as one after the other; they run while this
+process goes on, and :meth:`LaunchTimer.time` waits for a launch's build only when it needs its
+figures. A build that fails there is left to :meth:`LaunchTimer.time`, which raises or splits it
+as it always did. Sweeps already run their points in processes; there nothing is set and
+everything runs in order.
 
 **Re-timing** (for calibration). A Program depends on a spec's structural fields only, so timers
 of specs that differ in timing fields alone can share builds: a timer's ``followers`` (timers of
@@ -47,7 +49,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,7 @@ class LaunchTimer:
         self.followers: list[LaunchTimer] = []
         """Timers of specs differing only in timing fields: each Program built here is also timed
         on theirs (see the module docstring)."""
+        self._pending: dict[tuple[str, tuple], tuple[Launch, Future]] = {}  # prefetched, not yet read
         self.builds = 0
         """Programs built and timed in this process (cache misses)."""
         self.build_wall_s = 0.0
@@ -201,20 +204,44 @@ class LaunchTimer:
         key = (launch.kernel, launch.shape)
         hit = self._times.get(key)
         if hit is None:
-            hit = self._from_disk(_key(launch))
+            hit = self._prefetched(key) if self._pending else None
+            if hit is None:
+                hit = self._from_disk(_key(launch))
             if not isinstance(hit, LaunchTime):  # a launch's refusal is never stored: re-measure
                 hit = self._measure(launch, split)
             self._times[key] = hit
         return hit
 
+    def _prefetched(self, key: tuple[str, tuple]) -> LaunchTime | None:
+        """The figures of a prefetched launch, waiting for its build if it is still running; None
+        when it was not prefetched or its build failed there (refused, or its process died):
+        :meth:`time` then measures it here, raising or splitting as without prefetching."""
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return None
+        launch, future = pending
+        t0 = time.perf_counter()
+        try:
+            summary = future.result()
+        except Exception:  # a crashed worker or a bug: the build here says which
+            summary = None
+        self.build_wall_s += time.perf_counter() - t0  # the wait: the build ran meanwhile
+        if summary is None:
+            return None
+        self.builds += 1
+        hit = _launch_time(summary)
+        self._remember(launch, hit)
+        return hit
+
     def prefetch(self, launches: Sequence[Launch]) -> int:
-        """Build and time at once, on the executor of :func:`launch_executor`, those of
-        ``launches`` that neither this timer nor the disk cache knows; :meth:`time` then finds
-        them. Nothing runs without such an executor, for fewer than two new launches, or on a
-        timer that keeps its programs or has followers (those need the Program here).
+        """Start building and timing, on the executor of :func:`launch_executor`, those of
+        ``launches`` that neither this timer nor the disk cache knows, and return at once;
+        :meth:`time` then waits for each when it needs it. Nothing starts without such an
+        executor, for fewer than two new launches, or on a timer that keeps its programs or has
+        followers (those need the Program here).
 
         Returns:
-            How many launches were timed.
+            How many builds were started.
         """
         use = _EXECUTOR[-1]
         if use is None or self._programs is not None or self.followers:
@@ -222,7 +249,7 @@ class LaunchTimer:
         todo: dict[tuple[str, tuple], Launch] = {}
         for launch in launches:
             key = (launch.kernel, launch.shape)
-            if key in self._times or key in todo:
+            if key in self._times or key in todo or key in self._pending:
                 continue
             hit = self._from_disk(_key(launch))
             if isinstance(hit, LaunchTime):
@@ -234,22 +261,11 @@ class LaunchTimer:
         expected_s = len(todo) * self.build_wall_s / self.builds if self.builds else 0.0
         if len(todo) < 2 or expected_s <= (0.0 if use.started else use.start_s):
             return 0
-        from jalapeno_emu.parallel import ordered_map
-
         use.started = True
-        t0 = time.perf_counter()
-        tasks = [(launch, launch.shape_dict, self.spec) for launch in todo.values()]
-        summaries = ordered_map(_build_and_time_or_none, tasks, executor=use.pool)
-        done = 0
-        for (key, launch), summary in zip(todo.items(), summaries, strict=True):
-            if summary is None:  # refused: time() splits or raises it, as without prefetching
-                continue
-            self._times[key] = _launch_time(summary)
-            self._remember(launch, self._times[key])
-            done += 1
-        self.builds += done
-        self.build_wall_s += time.perf_counter() - t0
-        return done
+        for key, launch in todo.items():
+            self._pending[key] = (launch, use.pool.submit(_build_and_time_or_none, launch,
+                                                          launch.shape_dict, self.spec))
+        return len(todo)
 
     def time_part(self, cfg: Any, layer: int, step: Any, launches: tuple[Launch, ...]) -> LaunchTime:
         """The figures of ``launches`` (part of layer ``layer`` of ``cfg`` for ``step``) run as one

@@ -113,8 +113,26 @@ def test_prefetch_times_new_launches_on_the_executor_with_the_figures_time_gives
         with launch_executor(pool, start_s=1e9):  # not worth starting the pool: nothing runs
             assert timer.prefetch(las) == 0 and timer.builds == 1
         with launch_executor(pool, start_s=0.0):
-            # the refused batch is left to time(), which splits it as before
-            assert timer.prefetch([*las, las[0], refused]) == 3 and timer.builds == 4
-            assert timer.prefetch(las) == 0  # known now
+            assert timer.prefetch([*las, las[0], refused]) == 4  # started, each once
+            assert timer.prefetch(las) == 0  # already running
+    # read when asked for; the refused batch is left to time(), which splits it as before
     assert [timer.time(la) for la in [*las, refused]] == expected
-    assert timer.builds == 5  # the refused batch's halves (one shape, built once), nothing else
+    assert timer.builds == 5  # 1 + 3 prefetched + the refused batch's halves (one shape, built once)
+
+
+def test_a_prefetched_build_that_fails_there_is_measured_here():
+    from concurrent.futures import Executor, Future
+
+    class Broken(Executor):  # a pool whose processes die (BrokenProcessPool, out of memory)
+        def submit(self, fn, /, *args, **kwargs):
+            f = Future()
+            f.set_exception(RuntimeError("worker died"))
+            return f
+
+    las = [launch("attn_norm", "rmsnorm", tokens=t, hidden=128) for t in (8, 16)]
+    expected = [LaunchTimer("jalapeno-v1").time(la) for la in las]
+    timer = LaunchTimer("jalapeno-v1")
+    with launch_executor(Broken(), start_s=0.0):
+        timer.time(launch("attn_norm", "rmsnorm", tokens=4, hidden=128))
+        assert timer.prefetch(las) == 2
+    assert [timer.time(la) for la in las] == expected and timer.builds == 3

@@ -256,10 +256,12 @@ class LaunchTimer:
                 self._times[key] = hit
             else:
                 todo[key] = launch
-        # Worth a pool only when the builds would take longer one by one than starting it (its
-        # processes import the project first); the builds so far tell what one costs here.
+        # Worth the pool only when running the batch side by side saves more than it costs: the
+        # pool's start-up (its processes import the project) the first time, a batch's round trip
+        # later. The builds so far tell what one costs here.
         expected_s = len(todo) * self.build_wall_s / self.builds if self.builds else 0.0
-        if len(todo) < 2 or expected_s <= (0.0 if use.started else use.start_s):
+        saved_s = expected_s * (1.0 - 1.0 / max(2, min(use.workers, len(todo))))
+        if len(todo) < 2 or saved_s <= (use.batch_s if use.started else use.start_s):
             return 0
         use.started = True
         for key, launch in todo.items():
@@ -479,15 +481,22 @@ def _build_and_time_or_none(launch: Launch, shape: dict[str, Any], spec: ChipSpe
 
 
 POOL_START_S = 4.0
-"""Seconds of builds, one after the other, below which :meth:`LaunchTimer.prefetch` leaves a
-batch to run here rather than start a local pool: measured, two spawned processes importing the
-project and running one small build each took 2-3.5 s on a 2-core machine."""
+"""Seconds a batch must save by running side by side before :meth:`LaunchTimer.prefetch` starts
+a local pool for it: measured, two spawned processes importing the project and running one small
+build each took 2-3.5 s on a 2-core machine."""
+
+BATCH_OVERHEAD_S = 0.5
+"""Seconds a batch must save once the pool runs: sending launches and specs to its processes and
+their figures back, and the parent's wait (measured: `serve` of gpt-oss-120b on jalapeno-v1,
+whose builds take 0.15 s, ran 16.2 s alone and 18-23 s sending batches of 2-12 to two processes)."""
 
 
 @dataclass
 class _Use:
     pool: Executor
     start_s: float
+    batch_s: float
+    workers: int
     started: bool = False
 
 
@@ -495,18 +504,21 @@ _EXECUTOR: list[_Use | None] = [None]
 
 
 @contextlib.contextmanager
-def launch_executor(pool: Executor | None, *, start_s: float = POOL_START_S) -> Iterator[None]:
+def launch_executor(pool: Executor | None, *, start_s: float = POOL_START_S,
+                    batch_s: float = BATCH_OVERHEAD_S) -> Iterator[None]:
     """Inside the block, :meth:`LaunchTimer.prefetch` runs builds on ``pool`` (None: nowhere,
     they run one by one when needed). The pool's tasks must reach this code: local processes
     (:class:`jalapeno_emu.parallel.LocalPool`) or a cluster with jalapeno-emu installed.
 
     Args:
         pool: the executor.
-        start_s: a batch goes to the pool only when its builds would take longer than this one
-            after the other (estimated from this timer's builds so far), until the pool has
-            been used once; then any batch of two or more does.
+        start_s: a batch goes to the pool only when running it side by side would save more
+            than this (its builds estimated from this timer's builds so far), until the pool
+            has been used once; then when it saves more than ``batch_s``.
     """
-    _EXECUTOR.append(None if pool is None else _Use(pool, start_s))
+    # A local pool says how many processes it runs; another executor (a cluster) counts as two.
+    workers = getattr(pool, "max_workers", None) or 2
+    _EXECUTOR.append(None if pool is None else _Use(pool, start_s, batch_s, workers))
     try:
         yield
     finally:

@@ -112,7 +112,7 @@ def test_prefetch_times_new_launches_on_the_executor_with_the_figures_time_gives
     with ThreadPoolExecutor(2) as pool:
         with launch_executor(pool, start_s=1e9):  # not worth starting the pool: nothing runs
             assert timer.prefetch(las) == 0 and timer.builds == 1
-        with launch_executor(pool, start_s=0.0):
+        with launch_executor(pool, start_s=0.0, batch_s=0.0):
             assert timer.prefetch([*las, las[0], refused]) == 4  # started, each once
             assert timer.prefetch(las) == 0  # already running
     # read when asked for; the refused batch is left to time(), which splits it as before
@@ -132,7 +132,7 @@ def test_a_prefetched_build_that_fails_there_is_measured_here():
     las = [launch("attn_norm", "rmsnorm", tokens=t, hidden=128) for t in (8, 16)]
     expected = [LaunchTimer("jalapeno-v1").time(la) for la in las]
     timer = LaunchTimer("jalapeno-v1")
-    with launch_executor(Broken(), start_s=0.0):
+    with launch_executor(Broken(), start_s=0.0, batch_s=0.0):
         timer.time(launch("attn_norm", "rmsnorm", tokens=4, hidden=128))
         assert timer.prefetch(las) == 2
     assert [timer.time(la) for la in las] == expected and timer.builds == 3

@@ -160,7 +160,7 @@ def test_a_prediction_with_builds_side_by_side_equals_the_serial_one(fresh_cache
     ran = []
     prefetch = LaunchTimer.prefetch
     monkeypatch.setattr(LaunchTimer, "prefetch", lambda self, las: ran.append(prefetch(self, las)) or ran[-1])
-    with ThreadPoolExecutor(2) as pool, launch_executor(pool, start_s=0.0):
+    with ThreadPoolExecutor(2) as pool, launch_executor(pool, start_s=0.0, batch_s=0.0):
         side_by_side = predict(TINY["cfg"], "tiny", TINY["isl"], TINY["osl"], 2, mapping="tp=2").as_dict()
     assert sum(ran) >= 4  # grid points' launches did run on the pool
     assert side_by_side == serial

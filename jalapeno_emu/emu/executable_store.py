@@ -15,7 +15,8 @@ between the test workers for instance, so are these):
 - ``<digest>.xla``: an executable, named by the lowered program (its text and argument trees), so
   keys that lower to the same program (a DMA load and a store of the same shapes) share one
   compile, as JAX's cache would have let them;
-- ``<digest>.key``: the name of the ``.xla`` file a key's function lowers to.
+- ``<digest>.key``: the name of the ``.xla`` file a key's function lowers to, and on a second
+  line the code fingerprint that wrote it.
 
 Every digest also covers what an executable depends on besides its program: the versions of jax
 and jaxlib, the backend, the host CPU (XLA's CPU code is compiled for the machine's instruction
@@ -26,7 +27,8 @@ edit changed the program. On whenever JAX's persistent cache is (the same switch
 ``JALAPENO_EMU_COMPILE_CACHE=0``, ``jalapeno-emu --no-compile-cache``, ``disable_compile_cache``);
 ``JALAPENO_EMU_EXECUTABLE_STORE=0`` turns this store off alone (to measure what it saves). A file
 is written whole (a temporary file, then a rename) or not at all, at once (never deferred with a
-command's outputs in ``files.all_or_nothing``); one that cannot be read, loaded
+command's outputs in ``files.all_or_nothing``); a key's file is touched whenever it is used, so
+``jalapeno-emu cache prune`` can tell the keys old code left; one that cannot be read, loaded
 or run is compiled anew and rewritten. Storing never makes a run fail. An executable XLA cannot
 serialise (a sort's comparator on the CPU backend: the batched ``vec.group`` of a MoE router) is
 compiled in every process, as it was with JAX's cache alone.
@@ -42,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import pickle
 import platform
 from collections.abc import Callable, Iterator
@@ -110,15 +113,21 @@ def _module_file(directory: Path, lowered: Any) -> Path:
 
 def _read_name(path: Path) -> str | None:
     try:
-        name = path.read_text(encoding="ascii").strip()
+        lines = path.read_text(encoding="ascii").split()
     except (OSError, UnicodeDecodeError):
         return None
+    name = lines[0] if lines else ""
     return name if name.endswith(".xla") and "/" not in name else None
 
 
 def _write_name(path: Path, name: str) -> None:
+    """Write a key's file: the name of its executable, then the code fingerprint it was made by
+    (``jalapeno-emu cache prune`` removes the keys of other code; the lookup reads the name)."""
+    from jalapeno_emu.fingerprint import code_fingerprint
+
+    text = f"{name}\n{code_fingerprint()}\n"
     with contextlib.suppress(Exception):  # a full disk: the key is looked up by lowering next time
-        atomic_write(path, lambda f: f.write(name.encode("ascii")), alone=True)
+        atomic_write(path, lambda f: f.write(text.encode("ascii")), alone=True)
 
 
 def _load(path: Path) -> Callable | None:
@@ -229,6 +238,8 @@ class Stored:
             _write_name(self.path, module.name)
         self._call, out = ran
         self.loaded = True
+        with contextlib.suppress(OSError):  # used now: `jalapeno-emu cache prune` keeps it
+            os.utime(self.path)
         return out
 
 

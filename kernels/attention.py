@@ -112,7 +112,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -126,7 +125,6 @@ from jalapeno_emu.lazy import LazyModule
 from .attention_decode import (
     TOL,
     build_decode,
-    check_common,
     decode_logical_cache,
     decode_queries,
     decode_reference,
@@ -135,16 +133,17 @@ from .attention_decode import (
     k_pad,
 )
 from .attention_engine import (
-    _NBUF,
-    _PREFILL_TILES,
     _assign,
     _Core,
-    _fits,
-    _Plan,
-    _sram_left,
     _Step,
     _Unit,
     _view,
+)
+from .attention_prefill_plan import (
+    PrefillLayout,
+    plan_prefill,
+    prefill_cap,
+    prefill_valid,
 )
 from .attention_ref import (
     MASK_VALUE,
@@ -157,7 +156,6 @@ from .attention_ref import (
 )
 from .base import KernelBuild, KernelDef, ShapeKey, TensorSpec
 from .emit import EmitCtx, Emitter, Out, Piece, Ready, TensorRef, fetch, run_emitter
-from .planning import Budget, DoesNotFit
 from .registry import register
 
 ml_dtypes = LazyModule("ml_dtypes")  # loaded on first use: importing it costs 0.5 s
@@ -208,163 +206,6 @@ ATTENTION_DECODE = register(KernelDef(
 
 
 # --- attention-prefill --------------------------------------------------------------------------
-def _prefill_cap(shape: dict[str, Any]) -> int:
-    """Cache capacity in tokens: ``capacity``, or prior+seq rounded up to 32 (decode's ``cap``)."""
-    seq, prior, capacity = shape["seq"], shape["prior"], shape["capacity"]
-    if prior < 0:
-        raise InvalidArgumentError(f"shape key prior={prior} must be >= 0 (tokens already in the cache)")
-    if capacity == 0:
-        return -(-(prior + seq) // 32) * 32
-    if capacity % 32 or capacity < prior + seq:
-        raise InvalidArgumentError(
-            f"shape key capacity={capacity} must be a multiple of 32 and >= prior+seq={prior + seq} "
-            "(0: prior+seq rounded up to 32)")
-    return capacity
-
-
-_PREFILL_LEAN_SLOTS = (_NBUF, 4, 3, 2)  # KV slots of prefill's lean path, most first
-_PrefillTiles = dict[int, list[tuple[int, int, int | None]]]  # query tile -> [(k0, n, delta or None)]
-
-
-def _prefill_tiles(seq: int, prior: int, t: int, w: int) -> tuple[_PrefillTiles, dict[int, np.ndarray]]:
-    """The key tiles each query tile visits, and the mask patterns of the partly visible ones.
-
-    Query tile ``qi`` holds the chunk's tokens qi*t.. (positions prior+qi*t..); key tiles are the
-    t-token tiles of absolute positions kj*t.. up to prior+seq rounded up to 32 (keys past that
-    are never visible). A key tile is visited when it meets [first visible key, last query] of
-    the query tile (the union of its rows' windows, contiguous), so a window skips the prior
-    context it does not reach. A partly visible tile adds the [t, t] mask pattern of
-    ``delta = qi - kj``: query minus key position is prior + delta*t + row - col, nothing else.
-    """
-    end = -(-(prior + seq) // 32) * 32
-    tiles: _PrefillTiles = {}
-    patterns: dict[int, np.ndarray] = {}
-    for qi in range(-(-seq // t)):
-        a, nq = prior + qi * t, min(t, seq - qi * t)  # first query position, query rows
-        lo = max(0, a - w + 1) if w else 0
-        lst = []
-        for kj in range(lo // t, (a + nq - 1) // t + 1):
-            k0, nk = kj * t, min(t, end - kj * t)
-            delta = None
-            if not (k0 + nk - 1 <= a and (not w or k0 >= a + nq - w)):  # not every key visible
-                delta = qi - kj
-                if delta not in patterns:
-                    patterns[delta] = np.where(_prefill_valid(prior + delta * t, 0, t, t, w), 0,
-                                               MASK_VALUE).astype(np.float32)
-            lst.append((k0, nk, delta))
-        tiles[qi] = lst
-    return tiles, patterns
-
-
-@dataclass(frozen=True)
-class _PrefillLayout:
-    """Static choices of one attention-prefill instance.
-
-    plan: the engine's sizes (``plan.hpk``: query heads per unit, all of a KV group's or, on
-    small scratchpads, a slice of them); cap: cache capacity (tokens); tiles: key tiles per query
-    tile; patterns: mask pattern per delta; v_slots: phase-1 V staging buffers per core;
-    p1_tokens: tokens per phase-1 chunk.
-    """
-
-    plan: _Plan
-    cap: int
-    tiles: _PrefillTiles
-    patterns: dict[int, np.ndarray]
-    v_slots: int
-    p1_tokens: int
-
-
-def _prefill_extra_bytes(hq: int, d: int, t: int, p1_tokens: int, n_patterns: int) -> int:
-    """Scratchpad bytes per core besides the engine's buffers: sinks, [t, t] FP32 mask patterns,
-    phase-1 buffers (two slots of K^T in/out and V in BF16 and of cos and sin in FP32, two FP32
-    temporaries, ``p1_tokens`` wide)."""
-    w1 = p1_tokens
-    return (4 * hq + n_patterns * 4 * t * t + 2 * (3 * 2 * d * w1 + 2 * 4 * (d // 2) * w1)
-            + 2 * 4 * (d // 2) * w1 + 1024)
-
-
-def _lean_candidates(hpk: int, seq: int) -> list[tuple[int, int]]:
-    """(query heads per unit, tile tokens) of the small-scratchpad path, best first: a unit's
-    heads divide the KV group's ``hpk``; the (unit, KV tile) pairs, each a fixed cost of
-    instructions and a KV tile load, scale as 1/(heads * t^2), so the fewest come first."""
-    heads = [h for h in range(hpk, 0, -1) if hpk % h == 0]
-    ts = [t for t in _PREFILL_TILES if t <= max(32, seq)]
-    return sorted(((h, t) for h in heads for t in ts), key=lambda ht: (-ht[0] * ht[1] ** 2, -ht[0]))
-
-
-def _prefill_layout(shape: dict[str, Any], budget: Budget, cap: int, hs: int, t: int, nbuf: int,
-                    lean: bool) -> _PrefillLayout | None:
-    """The layout with ``hs`` query heads and ``t`` tokens per unit, ``nbuf`` KV slots; None
-    when it does not fit the scratchpad or the accumulators."""
-    bsz, seq, hq, hkv, d = (shape[k] for k in ("batch", "seq", "q_heads", "kv_heads", "head_dim"))
-    tiles, patterns = _prefill_tiles(seq, shape["prior"], t, shape["window"])
-    # The lean path writes the cache in 32-token chunks: its buffers do not grow with t.
-    p1 = 32 if lean else t
-    chunks = bsz * hkv * -(-seq // p1)
-    chunks_per_core = -(-chunks // min(budget.cores, chunks))
-    plan = _Plan(hpk=hs, d=d, tk=t, nq_max=t, nbuf=nbuf, kv_dtype="bf16", sinks=shape["sinks"],
-                 scale=1 / math.sqrt(d), page_size=0, ring=1 if lean else 2, lean=lean)
-    extra = _prefill_extra_bytes(hq, d, t, p1, len(patterns))
-    if not _fits(plan, budget, extra):
-        return None
-    # Spare scratchpad stages more of a core's V chunks at once: a slot is free again only when
-    # its store has landed, a load-store round trip per reuse.
-    spare = _sram_left(plan, budget, extra) // (2 * d * p1)
-    return _PrefillLayout(plan, cap, tiles, patterns, max(1, min(chunks_per_core, 2 + spare)), p1)
-
-
-def _prefill_plan(shape: dict[str, Any], spec: ChipSpec, budget: Budget | None = None) -> _PrefillLayout:
-    """The largest query/key tile that fits ``budget`` (default: the stand-alone one), and what
-    goes with it; refuses impossible shapes.
-
-    First every head of a KV group per unit (one KV tile load serves them all), the largest
-    tile first; when not even 32 tokens of them fit (GPU shared memory), the lean path: fewer
-    heads per unit (the group's KV tiles are read once per slice of heads) and leaner buffers.
-    """
-    check_common(shape)
-    seq, hq, hkv, d = (shape[k] for k in ("seq", "q_heads", "kv_heads", "head_dim"))
-    if shape["kv_dtype"] != "bf16":
-        raise InvalidArgumentError(
-            f"shape key kv_dtype={shape['kv_dtype']!r}: prefill reads and writes a BF16 KV cache "
-            "(an MXFP8 cache is implemented for decode only)")
-    if seq % 32:
-        raise InvalidArgumentError(f"shape key seq={seq} must be a multiple of 32: P.V contracts "
-                                   "over keys in 32-token matrix-unit blocks (pad the prompt)")
-    budget = budget or Budget.of(spec)
-    cap, hpk = _prefill_cap(shape), hq // hkv
-    for t in _PREFILL_TILES:
-        if t > max(32, seq):
-            continue
-        for nbuf in (_NBUF, 2):  # prefill is vector-bound: two KV slots in flight are enough
-            lay = _prefill_layout(shape, budget, cap, hpk, t, nbuf, lean=False)
-            if lay is not None:
-                return lay
-    for hs, t in _lean_candidates(hpk, seq):
-        for nbuf in _PREFILL_LEAN_SLOTS:
-            lay = _prefill_layout(shape, budget, cap, hs, t, nbuf, lean=True)
-            if lay is not None:
-                return lay
-    smallest = _Plan(hpk=1, d=d, tk=32, nq_max=32, nbuf=2, kv_dtype="bf16", sinks=shape["sinks"],
-                     scale=1.0, page_size=0, ring=1, lean=True)
-    n_patterns = len(_prefill_tiles(seq, shape["prior"], 32, shape["window"])[1])
-    need = budget.sram_bytes - _sram_left(smallest, budget, _prefill_extra_bytes(hq, d, 32, 32, n_patterns))
-    raise DoesNotFit(
-        f"shape key head_dim={d} (q_heads/kv_heads={hpk}, window={shape['window']}): one 32-token "
-        f"query tile of a single head needs {need:,} B of scratchpad per core and "
-        f"{smallest.acc_bytes():,} B of accumulators; {spec.name} has {spec.sram.scratchpad_bytes:,} B "
-        f"({budget.sram_bytes:,} B usable) and {budget.acc_bytes:,} B")
-
-
-def _prefill_valid(q0: int, k0: int, nq: int, nk: int, w: int) -> np.ndarray:
-    """bool[nq, nk]: query position q0+i sees key k0+c (causal, within the window)."""
-    qp = np.arange(q0, q0 + nq)[:, None]
-    kp = np.arange(k0, k0 + nk)[None, :]
-    ok = kp <= qp
-    if w:
-        ok &= kp > qp - w
-    return ok
-
-
 # --- phase 1: the chunk's K and V into the cache ------------------------------------------------
 class _CacheWriter:
     """Phase 1: rotate the chunk's keys into ``k_cache`` columns prior.. (K^T) and copy its V rows
@@ -391,7 +232,7 @@ class _CacheWriter:
     V store); ``written`` counts the cores whose K stores have all landed.
     """
 
-    def __init__(self, ctx: EmitCtx, shape: dict[str, Any], lay: _PrefillLayout, *, token_major: bool,
+    def __init__(self, ctx: EmitCtx, shape: dict[str, Any], lay: PrefillLayout, *, token_major: bool,
                  engine_cores: set[int]) -> None:
         kb = ctx.kb
         self.kb, self.shape, self.lay, self.token_major = kb, shape, lay, token_major
@@ -548,7 +389,7 @@ def prefill_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, 
     (the mask is a constant of the emitter)."""
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
-    cap, ctx, h2 = _prefill_cap(shape), prior + seq, d // 2
+    cap, ctx, h2 = prefill_cap(shape), prior + seq, d // 2
     specs = [TensorSpec("q", (bsz * seq, hq * d), "bf16", "input"),
              TensorSpec("k", (bsz * seq, hkv * d), "bf16", "input"),
              TensorSpec("v", (bsz * seq, hkv * d), "bf16", "input"),
@@ -564,7 +405,7 @@ def prefill_tensors(shape: dict[str, Any], spec: ChipSpec) -> tuple[TensorSpec, 
     return tuple(specs)
 
 
-def _mask_const(lay: _PrefillLayout) -> np.ndarray:
+def _mask_const(lay: PrefillLayout) -> np.ndarray:
     """f32[patterns*t, t]: the [t, t] additive mask patterns stacked in increasing delta."""
     return np.concatenate([lay.patterns[dl] for dl in sorted(lay.patterns)])
 
@@ -606,7 +447,7 @@ def emit_prefill(ctx: EmitCtx, shape: dict[str, Any], t: dict[str, TensorRef], o
     chunk's written region ready when its store has landed.
     """
     kb = ctx.kb
-    lay = _prefill_plan(shape, ctx.spec, ctx.budget)
+    lay = plan_prefill(shape, ctx.spec, ctx.budget)
     plan, cap, unit_tiles = lay.plan, lay.cap, lay.tiles
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
@@ -755,7 +596,7 @@ def build_prefill(shape: dict[str, Any], spec: ChipSpec) -> KernelBuild:
     """attention-prefill stand-alone: causal attention of ``seq`` new tokens over ``prior`` cached
     ones and themselves, writing the chunk's K and V into the decode cache (see the module doc):
     its emitter with every tensor in HBM and the K^T input, nothing prefetched (phase 1 first)."""
-    lay = _prefill_plan(shape, spec)
+    lay = plan_prefill(shape, spec)
     plan, cap, unit_tiles, patterns = lay.plan, lay.cap, lay.tiles, lay.patterns
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
@@ -828,7 +669,7 @@ def prefill_reference(inputs, shape, tiles: dict[int, list[tuple[int, int]]], t:
     bsz, seq, prior, hq, hkv, d = (shape[k] for k in ("batch", "seq", "prior", "q_heads", "kv_heads",
                                                       "head_dim"))
     w, hpk = shape["window"], hq // hkv
-    cap = _prefill_cap(shape)
+    cap = prefill_cap(shape)
     cos = _f32(inputs["rope_cos"])[prior:prior + seq]
     sin = _f32(inputs["rope_sin"])[prior:prior + seq]
     q = _f32(np.asarray(inputs["q"], np.float32)).reshape(bsz, seq, hq, d)
@@ -847,7 +688,7 @@ def prefill_reference(inputs, shape, tiles: dict[int, list[tuple[int, int]]], t:
     for qi, lst in tiles.items():  # all sequences and KV heads at once, one query tile at a time
         q0, nq = qi * t, min(t, seq - qi * t)
         rows = qg[:, :, :, q0:q0 + nq].reshape(bsz, hkv, hpk * nq, d)  # heads stacked, as the kernel
-        valid = np.tile(_prefill_valid(prior + q0, 0, nq, cap, w), (hpk, 1))
+        valid = np.tile(prefill_valid(prior + q0, 0, nq, cap, w), (hpk, 1))
         sink = None if sinks is None else _f32(np.broadcast_to(
             np.repeat(sinks.reshape(hkv, hpk), nq, axis=1), (bsz, hkv, hpk * nq)))
         o = _flash_ref(rows, kt_all, v_all, valid, lst, sink)

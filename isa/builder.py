@@ -606,11 +606,12 @@ class KernelBuilder:
                 body(i)
             return ()
         start = len(self._instructions)
-        self._fence_log = fences = []
+        outer, self._fence_log = self._fence_log, []
+        fences = self._fence_log
         try:
             body(0)
         finally:
-            self._fence_log = None
+            self._fence_log = outer
         marks = (len(self._allocs), len(self._sems), len(self._regions), self._region)
 
         def probe(i: int) -> list[Instruction]:

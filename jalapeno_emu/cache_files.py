@@ -70,6 +70,13 @@ def _size(path: Path) -> int:
         return 0
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile: nothing to prune
+        return float("inf")
+
+
 def _tree_files(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else []
 
@@ -108,20 +115,20 @@ def _executables(store: Path, code: str, cutoff: float) -> tuple[list[Path], lis
             stale.append(path)
             continue
         other_code = len(lines) > 1 and lines[1] != code
-        if other_code or path.stat().st_mtime < cutoff:
+        if other_code or _mtime(path) < cutoff:
             stale.append(path)
             if other_code and lines:
                 orphaned_by_code.add(lines[0])
         elif lines:
             named.add(lines[0])
     stale += [p for p in files if p.suffix == ".xla" and p.name not in named
-              and (p.name in orphaned_by_code or p.stat().st_mtime < cutoff)]
+              and (p.name in orphaned_by_code or _mtime(p) < cutoff)]
     return files, stale
 
 
 def _jax_cache(jax_dir: Path, cutoff: float) -> tuple[list[Path], list[Path]]:
     files = [p for p in _tree_files(jax_dir) if "executables" not in p.relative_to(jax_dir).parts[:1]]
-    return files, [p for p in files if p.stat().st_mtime < cutoff]
+    return files, [p for p in files if _mtime(p) < cutoff]
 
 
 def _parts(root: Path, older_than_days: float) -> list[tuple[str, Path, list[Path], list[Path]]]:

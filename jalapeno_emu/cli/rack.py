@@ -11,7 +11,10 @@ or on a Dask cluster (``--scheduler``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from rich.markup import escape
@@ -195,12 +198,38 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+@contextlib.contextmanager
+def _builds_shown(app: App, timer: Any, what: str, every_s: float = 0.5) -> Iterator[None]:
+    """While the block runs: a spinner on stderr with the kernel programs ``timer`` has built and
+    timed so far (a cold ``serve`` on a GPU preset builds for minutes before its first figure);
+    nothing with ``--json`` or off a terminal."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                        console=app.err_console, transient=True, disable=app.json_output)
+    stop = threading.Event()
+    with progress:
+        task = progress.add_task(f"{what}: simulating")
+
+        def poll() -> None:
+            while not stop.wait(every_s):
+                progress.update(task, description=f"{what}: {timer.builds:,} kernel programs built and timed")
+
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
+
+
 def run_serve(app: App, args: argparse.Namespace) -> int:
     """Predict one serving point."""
     from jalapeno_emu.model.config import load_model_config
     from jalapeno_emu.parallel import executor
     from jalapeno_emu.rack.deployment import check_workload, predict
-    from jalapeno_emu.rack.launch_timer import launch_executor
+    from jalapeno_emu.rack.launch_timer import launch_executor, shared_timer
 
     # Arguments beyond their limits are refused before the status line, not after it.
     cfg = load_model_config(args.model)
@@ -210,10 +239,13 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
         f"{args.model} on {args.preset} at {args.isl}/{args.osl}, concurrency {args.concurrency}"
         + ("" if args.mapping else f" (searching the best mapping for {args.objective})")
     )
-    with executor(args.workers, args.scheduler) as pool, launch_executor(pool):
+    spec = _spec(args, args.preset)
+    timer = shared_timer(spec, disk_cache=_cache(args))  # the one the step models will use
+    with executor(args.workers, args.scheduler) as pool, launch_executor(pool), \
+            _builds_shown(app, timer, f"{args.model} on {args.preset}"):
         pred = predict(
             cfg,
-            _spec(args, args.preset),
+            spec,
             args.isl,
             args.osl,
             args.concurrency,

@@ -139,3 +139,28 @@ def test_compare_fails_loudly_for_a_preset_whose_kernels_refuse_the_model(capsys
     err = capsys.readouterr().err
     assert re.search(r"cramped-gb300-nvl72.toml: kernel \S+ cannot run on cramped-gb300-nvl72", err), err
     assert re.search(r"cramped-h200.toml: kernel \S+ cannot run on cramped-h200", err), err
+
+
+def test_serve_shows_the_kernel_programs_built_while_it_runs():
+    import io
+    import time
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from jalapeno_emu.cli.app import App
+    from jalapeno_emu.cli.rack import _builds_shown
+
+    out = io.StringIO()
+    app = App(err_console=Console(file=out, force_terminal=True, width=120))
+    timer = SimpleNamespace(builds=0)
+    with _builds_shown(app, timer, "m on p", every_s=0.01):
+        for n in range(1, 30):
+            timer.builds = n
+            time.sleep(0.01)
+    assert "m on p:" in out.getvalue() and "kernel programs built and timed" in out.getvalue()
+    quiet = io.StringIO()
+    with _builds_shown(App(json_output=True, err_console=Console(file=quiet, force_terminal=True)), timer, "x",
+                       every_s=0.01):
+        time.sleep(0.05)
+    assert quiet.getvalue() == ""  # --json: nothing on stderr

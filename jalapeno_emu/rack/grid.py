@@ -9,7 +9,8 @@ interpolation itself must cost microseconds, not the grid points it reads).
   a floored linear extrapolation beyond the last x.
 
 A grid may be given ``prefetch``: called with the points (as the ints ``f`` takes) a query is
-about to time, before it times them one by one, so that their builds can run side by side
+about to time, when it meets the first of them, before it times them one by one, so that their
+builds can run side by side
 (:meth:`jalapeno_emu.rack.launch_timer.LaunchTimer.prefetch`). It only warms what ``f`` reads;
 every figure is still ``f``'s.
 
@@ -128,6 +129,9 @@ class LazyGrid2D:
         # ys (a decode stretch of a thousand steps) is gathered by indexing, not a Python loop.
         self._table = np.full((xs.size, ys.size, 3), np.nan)
         self._floats: dict[tuple[int, int], tuple[float, float, float]] = {}
+        # The query being answered, (x, ys), until its first point that needs computing hands
+        # ``prefetch`` all of them (``_point``): queries of known points pay one store, no check.
+        self._query: tuple[float, Any] | None = None
 
     def _rows(self, x: float) -> tuple[int, ...]:
         """The x grid indices a query at ``x`` reads."""
@@ -137,11 +141,9 @@ class LazyGrid2D:
         i0, w0 = bracket1(self._xs, float(x))
         return (i0, i0 + 1) if w0 != 0.0 else (i0,)
 
-    def _want(self, x: float, ys: np.ndarray) -> None:
-        """Hand ``prefetch`` every grid point a query at ``x`` for ``ys`` reads and nobody has
-        computed yet (nothing when there is no ``prefetch`` or no such point)."""
-        if self.prefetch is None:
-            return
+    def _want(self, x: float, ys: Any) -> None:
+        """Hand ``prefetch`` every grid point a query at ``x`` for ``ys`` (floats) reads and nobody
+        has computed yet (nothing when there is no such point)."""
         j, w = bracket(self.ys, np.asarray(ys, dtype=np.float64))
         cols = np.union1d(j, j[w > 0] + 1).tolist()
         wanted = [(int(self.xs[i]), int(self.ys[c])) for i in self._rows(x) for c in cols
@@ -152,6 +154,9 @@ class LazyGrid2D:
     def _point(self, i: int, j: int) -> np.ndarray:
         v = self.values.get((i, j))
         if v is None:
+            query, self._query = self._query, None
+            if query is not None and self.prefetch is not None:
+                self._want(*query)
             v = self.values[(i, j)] = np.asarray(self.f(int(self.xs[i]), int(self.ys[j])), dtype=np.float64)
             self._table[i, j] = v
             self._floats[(i, j)] = tuple(v.tolist())
@@ -193,8 +198,7 @@ class LazyGrid2D:
         """The time (s) at ``x`` for each of ``ys`` (an array: float64[n]; one float: a float)."""
         if not isinstance(ys, np.ndarray):
             return self._at(x, float(ys))
-        if self.prefetch is not None and np.isnan(self._table[list(self._rows(x)), :, 0]).any():
-            self._want(x, ys)
+        self._query = (x, ys)
         top = self.xs.size - 1
         if x > self.xs[top]:
             hi, lo = self._column(top, ys), self._column(top - 1, ys)
@@ -215,15 +219,11 @@ class LazyGrid2D:
 
     def _at(self, x: float, y: float) -> float:
         """:meth:`__call__` at one y, in plain floats (the same arithmetic)."""
-        if self.prefetch is not None:
-            j0, w0 = bracket1(self._ys, y)
-            cols = (j0, j0 + 1) if w0 != 0.0 else (j0,)
-            if any((i, c) not in self.values for i in self._rows(x) for c in cols):
-                self._want(x, np.array([y]))
+        self._query = (x, (y,))
         return self._at_known(x, y)
 
     def _at_known(self, x: float, y: float) -> float:
-        """:meth:`_at` without asking ``prefetch`` (the caller has)."""
+        """:meth:`_at` within a query already recorded (a run of ys)."""
         top = len(self._xs) - 1
         if x > self._xs[top]:
             hi, lo = self._column1(top, y), self._column1(top - 1, y)
@@ -261,8 +261,8 @@ class LazyGrid2D:
         return total
 
     def _run_sum_floats(self, x: float, first_y: float, dy: float, count: int) -> float:
-        if self.prefetch is not None and np.isnan(self._table[list(self._rows(x)), :, 0]).any():
-            self._want(x, first_y + dy * np.arange(count, dtype=np.float64))
+        if self.prefetch is not None:
+            self._query = (x, first_y + dy * np.arange(count, dtype=np.float64))
         total = 0.0
         for j in range(count):
             total += self._at_known(x, first_y + dy * float(j))

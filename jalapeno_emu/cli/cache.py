@@ -31,19 +31,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``cache`` command group: ``show``, ``prune``, ``clear``."""
     p = sub.add_parser("cache", help="the cache directory: show it, prune what no run reads, clear it")
     cache_sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND", required=True)
-    for name, run, text in (
-        ("show", run_show, "the cache directory's parts: files, sizes, and what is stale"),
+    for name, run, text, aged in (
+        ("show", run_show, "the cache directory's parts: files, sizes, and what is stale", True),
         ("prune", run_prune, "remove the stale files: timings of other code, executables and JAX "
-                             "cache entries unused for --older-than days"),
+                             "cache entries unused for --older-than days", True),
+        ("clear", run_clear, "remove every file of the cache directory's parts", False),
     ):
         q = cache_sub.add_parser(name, help=text)
-        q.add_argument("--older-than", type=_days, default=30.0, metavar="DAYS",
-                       help="an executable or JAX cache entry unused this long is stale (default 30)")
+        if aged:
+            q.add_argument("--older-than", type=_days, default=30.0, metavar="DAYS",
+                           help="an executable or JAX cache entry unused this long is stale (default 30)")
         q.add_argument("--json", action="store_true", help="print JSON instead of tables")
         q.set_defaults(run=run)
-    q = cache_sub.add_parser("clear", help="remove every file of the cache directory's parts")
-    q.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    q.set_defaults(run=run_clear)
 
 
 def run_show(app: App, args: argparse.Namespace) -> int:

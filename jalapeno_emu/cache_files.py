@@ -131,6 +131,10 @@ def _jax_cache(jax_dir: Path, cutoff: float) -> tuple[list[Path], list[Path]]:
     return files, [p for p in files if _mtime(p) < cutoff]
 
 
+def _base(root: str | os.PathLike[str] | None) -> Path:
+    return Path(root).expanduser() if root is not None else cache_root()
+
+
 def _parts(root: Path, older_than_days: float) -> list[tuple[str, Path, list[Path], list[Path]]]:
     from jalapeno_emu.fingerprint import code_fingerprint
 
@@ -156,7 +160,7 @@ def survey(root: str | os.PathLike[str] | None = None, *, older_than_days: float
     Raises:
         InvalidArgumentError: ``older_than_days`` is negative.
     """
-    base = Path(root).expanduser() if root is not None else cache_root()
+    base = _base(root)
     return [CachePart(name, path, len(files), sum(map(_size, files)), len(stale), sum(map(_size, stale)))
             for name, path, files, stale in _parts(base, older_than_days)]
 
@@ -168,7 +172,7 @@ def prune(root: str | os.PathLike[str] | None = None, *, older_than_days: float 
     Raises:
         InvalidArgumentError: ``older_than_days`` is negative.
     """
-    base = Path(root).expanduser() if root is not None else cache_root()
+    base = _base(root)
     removed, freed = 0, 0
     for _, _, _, stale in _parts(base, older_than_days):
         for path in stale:
@@ -187,14 +191,13 @@ def prune(root: str | os.PathLike[str] | None = None, *, older_than_days: float 
 def clear(root: str | os.PathLike[str] | None = None) -> tuple[int, int]:
     """Remove every file of the four parts of ``root`` (default :func:`cache_root`), and nothing
     else there. Returns (files, bytes) removed."""
-    base = Path(root).expanduser() if root is not None else cache_root()
-    parts = _parts(base, 0.0)
-    files = sum(len(all_files) for _, _, all_files, _ in parts)
-    freed = sum(sum(map(_size, all_files)) for _, _, all_files, _ in parts)
-    for name, _, all_files, _ in parts:
-        if name in ("kernel timings",):
-            for path in all_files:
-                path.unlink(missing_ok=True)
+    base = _base(root)
+    timing = _timing_parts(base, code="")  # every timing file (whose code is stale does not matter)
+    kernel_files = timing["kernel timings"][0]
+    every = kernel_files + timing["step timings"][0] + _tree_files(base / "jax")
+    files, freed = len(every), sum(map(_size, every))
+    for path in kernel_files:
+        path.unlink(missing_ok=True)
     for entry in base.glob("step-timings-*"):
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)

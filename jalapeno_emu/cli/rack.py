@@ -102,6 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the plot here, in the format its suffix names: .png (an SVG of the same "
                    "name is written beside it) or .svg")
     p.add_argument("--csv", type=output_file, help="write every point here")
+    p.add_argument("--mapping", help="hold this mapping at every concurrency, e.g. tp=8,ep=8 (default: "
+                   "the mappings worth simulating at each)")
     add_executor_options(p)
     p.set_defaults(run=run_sweep)
 
@@ -112,21 +114,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="jalapeno-v1,gb300-nvl72",
         help="comma-separated, the first is the reference of the ratios (default jalapeno-v1,gb300-nvl72)",
     )
-    p.add_argument("--concurrency", default="1,64,1024", help="comma-separated (default 1,64,1024)")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated (default 1,64,1024; with --interactivity or --peak, the sweep's "
+                   f"{_DEFAULT_CONCURRENCIES})")
     p.add_argument(
         "--objective",
         default="interactivity",
         choices=("interactivity", "throughput"),
-        help="what each preset's mapping search maximises (default interactivity)",
+        help="what each preset's mapping search maximises at matched concurrency (default "
+        "interactivity; a frontier keeps the best of both)",
     )
+    p.add_argument(
+        "--interactivity", action="append", metavar="X",
+        help="instead of matching concurrency: each preset's best throughput per chip and per kW at X "
+        "tok/s/user or faster, read from its Pareto front (interpolated); comma-separated or repeated",
+    )
+    p.add_argument("--peak", action="store_true",
+                   help="each preset's peak throughput per chip and per kW over its sweep, with the ratios")
     p.add_argument(
         "--power",
         default="all_in",
+        type=_power_kind,
         choices=_POWER_KINDS,
-        help="power per chip for tok/s per kW (default all_in)",
+        help="power per chip for tok/s per kW: package, sustained or all-in (default all-in)",
     )
     add_executor_options(p)
     p.set_defaults(run=run_compare)
+
+
+def _power_kind(text: str) -> str:
+    """``all-in`` and ``all_in`` both name the all-in power (the JSON field is ``all_in``)."""
+    return text.strip().lower().replace("-", "_")
+
+
+def _floats(values: list[str], what: str) -> list[float]:
+    """The positive numbers of repeated and/or comma-separated ``values``, each once, in order."""
+    out: list[float] = []
+    for text in values:
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            try:
+                v = float(part)
+            except ValueError:
+                raise Abort(f"{what} {_clipped(part)} must be a number (tok/s per user)") from None
+            if not (v > 0 and v != float("inf")):
+                raise Abort(f"{what} {_clipped(part)} must be a positive, finite number (tok/s per user)")
+            if v not in out:
+                out.append(v)
+    if not out:
+        raise Abort(f"{what} needs at least one number")
+    return out
 
 
 def _clipped(text: str, width: int = 60) -> str:
@@ -337,7 +375,9 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
             on_plan=lambda n: progress.update(task, total=n),
             on_point=lambda _p: progress.advance(task),
             executor=ex,
+            mapping=args.mapping,
         )
+    held = points[0].mapping if args.mapping and points else None
     front = pareto_front(points, y=args.y)
     rows = [dict(p.as_dict()) for p in points]
     front_rows = [dict(p.as_dict()) for p in front]
@@ -357,6 +397,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
                 "routing": args.routing,
                 "concurrencies": concs,
                 "candidates_screened": screened,
+                "mapping": held,
                 "y": args.y,
                 "points": rows,
                 "frontier": front_rows,
@@ -366,13 +407,15 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     app.console.print(
         _table(
             f"{args.model} on {args.preset}, ISL/OSL {args.isl}/{args.osl}: Pareto frontier "
-            f"(interactivity vs {args.y})",
+            f"(interactivity vs {args.y})" + (f", mapping {held}" if held else ""),
             front_rows,
         )
     )
+    simulated = (f"{len(points)} points simulated with {held} held" if held else
+                 f"{len(points)} points simulated over {len({p.mapping for p in points})} mappings "
+                 f"(of {screened} screened)")
     app.console.print(
-        f"{len(points)} points simulated over {len({p.mapping for p in points})} mappings "
-        f"(of {screened} screened)"
+        simulated
         + (f"; plot {args.plot}" if args.plot else "")
         + (f"; CSV {args.csv}" if args.csv else "")
     )
@@ -387,7 +430,10 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if len(presets) < 2:
         raise Abort(f"--presets {args.presets!r} needs at least two presets")
-    concs = _ints(args.concurrency, "--concurrency")
+    frontier = bool(args.interactivity) or args.peak
+    xs = _floats(args.interactivity, "--interactivity") if args.interactivity else []
+    default = _DEFAULT_CONCURRENCIES if frontier else "1,64,1024"
+    concs = _ints(args.concurrency or default, "--concurrency")
     for preset in presets:
         # A preset that does not load (a typo, a bad TOML) is the user's to fix before anything
         # runs: one line now, not a status line, a table and a JSON "errors" entry later.
@@ -395,6 +441,8 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
             _spec(args, preset)
         except EmuError as exc:
             raise Abort(f"--presets: {exc}") from None
+    if frontier:
+        return _run_compare_frontiers(app, args, presets, concs, xs)
     with executor(args.workers, args.scheduler) as ex:
         app.status(f"{args.model} on {', '.join(presets)}, concurrency {', '.join(map(str, concs))}")
         results, errors = compare_presets(
@@ -431,12 +479,111 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
         )
     else:
         _print_compare(app, args, presets, results, rows)
-    # On stderr with --json too: the exit status says something failed, and a reader of the
-    # terminal (or a CI log) should see what without parsing stdout's "errors".
+    return _report_errors(app, errors)
+
+
+def _report_errors(app: App, errors: dict[str, str]) -> int:
+    """Each preset's error on stderr (with ``--json`` too: the exit status says something failed,
+    and a reader of the terminal or a CI log should see what without parsing stdout); the exit
+    status."""
     for preset, msg in errors.items():
         app.err_console.print(f"[bold red]error:[/bold red] {escape(f'{preset}: {msg}')}", markup=True,
                               soft_wrap=True)
     return 2 if errors else 0
+
+
+def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str], concs: list[int],
+                           xs: list[float]) -> int:
+    """``compare --interactivity X`` / ``--peak``: each preset swept, its frontier read at X and at
+    its peak (:mod:`jalapeno_emu.serving.quotes`)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from jalapeno_emu.parallel import executor
+    from jalapeno_emu.rack.deployment import compare_frontiers
+    from jalapeno_emu.serving import pareto_front
+    from jalapeno_emu.serving.quotes import at_interactivity, peaks
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=app.err_console, transient=True,
+                        disable=app.json_output)
+    tasks: dict[str, Any] = {}
+
+    def planned(preset: str, n: int) -> None:
+        tasks[preset] = progress.add_task(f"{preset} sweep", total=n)
+
+    with executor(args.workers, args.scheduler) as ex, progress:
+        results, errors = compare_frontiers(
+            args.model, presets, args.isl, args.osl, concs, routing=args.routing, finalists=args.finalists,
+            max_batch_tokens=args.max_batch_tokens, disk_cache=_cache(args),
+            spec_overrides={"software.fusion": args.fusion} if args.fusion else None, executor=ex,
+            on_plan=planned, on_point=lambda preset, _p: progress.advance(tasks[preset]))
+    ref = presets[0]
+    points = {p: [pt.as_dict() for pt in pts] for p, pts in results.items()}
+    rows = [at_interactivity(points, x, ref=ref, power=args.power) for x in xs]
+    peak = peaks(points, ref=ref, power=args.power) if args.peak else None
+    if app.json_output:
+        app.emit_json("compare", {
+            "model": args.model, "isl": args.isl, "osl": args.osl, "power": args.power, "presets": presets,
+            "concurrencies": concs, "interactivity": rows, "peak": peak,
+            "frontiers": {p: pareto_front(pts) for p, pts in points.items()}, "errors": errors})
+    else:
+        _print_frontier_quotes(app, args, presets, points, rows, peak)
+    return _report_errors(app, errors)
+
+
+def _print_frontier_quotes(app: App, args: argparse.Namespace, presets: list[str],
+                           points: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]],
+                           peak: dict[str, Any] | None) -> None:
+    ok = [p for p in presets if p in points]
+    ref = presets[0]
+    others = [p for p in ok if p != ref] if ref in points else []
+    kw = f"tok/s/kW {args.power.replace('_', '-')}"
+    where = f"{args.model}, ISL/OSL {args.isl}/{args.osl}"
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.0f}"
+
+    def ratio(r: dict[str, Any]) -> str:
+        a, b = r["throughput_tok_s_per_chip"], r["tok_s_per_kw"]
+        return "-" if a is None or b is None else f"{a:.2f}x, {b:.2f}x"
+
+    if rows:
+        table = Table(title=f"{where}: best throughput at the interactivity or faster (each preset's "
+                      "Pareto front, interpolated)")
+        table.add_column("tok/s/user", justify="right")
+        for p in ok:
+            table.add_column(f"{p}\ntok/s/chip", justify="right")
+            table.add_column(f"{p}\n{kw}", justify="right")
+        for p in others:
+            table.add_column(f"{ref} / {p}\ntok/s/chip, {kw}", justify="right")
+        notes = []
+        for row in rows:
+            cells = [f"{row['interactivity_tok_s_user']:,.1f}"]
+            for p in ok:
+                cells += [num(row[p]["throughput_tok_s_per_chip"]), num(row[p]["tok_s_per_kw"])]
+                if row[p]["reason"]:
+                    notes.append(f"{p}: {row[p]['reason']}")
+            cells += [ratio(row["ratios"][p]) for p in others]
+            table.add_row(*cells)
+        app.console.print(table)
+        for note in dict.fromkeys(notes):
+            app.console.print(f"   {escape(note)}")
+    if peak is not None:
+        table = Table(title=f"{where}: peak throughput per chip over the sweep")
+        for col in ("preset", "tok/s/chip", kw, "at tok/s/user", "mapping", "concurrency", f"{ref} / preset"):
+            table.add_column(col, justify="left" if col in ("preset", "mapping") else "right")
+        for p in ok:
+            d = peak[p]
+            if d is None:
+                continue
+            table.add_row(p, num(d["throughput_tok_s_per_chip"]), num(d["tok_s_per_kw"]),
+                          f"{d['interactivity_tok_s_user']:,.1f}", d["mapping"], str(d["concurrency"]),
+                          ratio(peak["ratios"][p]) if p in peak["ratios"] else "1.00x, 1.00x")
+        app.console.print(table)
+    n = sum(len(v) for v in points.values())
+    concs = sorted({d["concurrency"] for pts in points.values() for d in pts})
+    app.console.print(f"{n} points simulated at concurrencies {', '.join(map(str, concs))} (the frontiers "
+                      "and every point: --json)")
 
 
 def _compare_rows(

@@ -20,7 +20,7 @@ from jalapeno_emu.chip._units import short_repr
 from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig, load_model_config
 from jalapeno_emu.parallel import ordered_map
-from jalapeno_emu.rack.mapping import Mapping, parse_mapping
+from jalapeno_emu.rack.mapping import FitError, Mapping, check_mapping, fits, parse_mapping
 from jalapeno_emu.rack.routing import UNIFORM, Routing, parse_routing
 from jalapeno_emu.rack.search import (
     OBJECTIVES,
@@ -41,7 +41,15 @@ from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import simulate
 from jalapeno_emu.serving.sweep import SweepPoint
 
-__all__ = ["Prediction", "check_workload", "compare_presets", "predict", "rack_estimate", "sweep_mappings"]
+__all__ = [
+    "Prediction",
+    "check_workload",
+    "compare_frontiers",
+    "compare_presets",
+    "predict",
+    "rack_estimate",
+    "sweep_mappings",
+]
 
 
 @dataclass(frozen=True)
@@ -256,8 +264,9 @@ def sweep_mappings(
     on_plan: Callable[[int], None] | None = None,
     on_point: Callable[[SweepPoint], None] | None = None,
     executor: Executor | None = None,
+    mapping: Mapping | str | None = None,
 ) -> tuple[list[SweepPoint], int]:
-    """Every concurrency, with the mappings worth simulating there.
+    """Every concurrency, with the mappings worth simulating there (or one mapping held).
 
     All candidate mappings are screened at every concurrency; for each concurrency the
     ``finalists`` best by interactivity and the ``finalists`` best by throughput per chip are
@@ -268,6 +277,9 @@ def sweep_mappings(
     Args:
         concurrencies: one given twice is simulated once (at most
             :data:`~jalapeno_emu.serving.limits.MAX_CONCURRENCIES` distinct values).
+        mapping: serve every concurrency with this mapping (a Mapping or ``"tp=8,ep=8"``): nothing
+            is screened or searched, and the points are that one deployment's curve (what a
+            fixed production configuration does as load grows).
         on_plan: called once with the number of points to simulate (for a progress bar).
         on_point: called after each simulated point (serial), or for each point of a mapping as
             its task completes (with an executor); always in the calling thread.
@@ -275,19 +287,30 @@ def sweep_mappings(
             the other in this process. The points are the same either way.
 
     Returns:
-        (points, candidates screened); each point's ``series`` is the preset.
+        (points, candidates screened: 0 with ``mapping``); each point's ``series`` is the preset.
+
+    Raises:
+        InvalidArgumentError: bad arguments (as :func:`predict`), a ``mapping`` that disagrees with
+            ``chips`` or that the model or the chip's domain cannot take.
+        FitError: a given ``mapping`` does not fit the model (with the numbers).
     """
     cfg, spec, routing = _objects(cfg, preset, routing)
     concurrencies = check_workload(cfg, isl, osl, concurrencies, max_batch_tokens=max_batch_tokens)
-    cands = candidate_mappings(cfg, spec, chips=chips, kv_tokens=isl + osl, sequence_tokens=isl + osl)
-    scored = screen(cfg, spec, cands, isl=isl, osl=osl, concurrencies=list(concurrencies), routing=routing)
     tasks: dict[Mapping, list[int]] = {}
-    for c in concurrencies:
-        here = [p for p in scored if p.concurrency == c]
-        for objective in OBJECTIVES:
-            for p in shortlist(here, objective, finalists):
-                if c not in tasks.setdefault(p.mapping, []):
-                    tasks[p.mapping].append(c)
+    if mapping is not None:
+        held = _held_mapping(cfg, spec, mapping, chips, isl + osl)
+        tasks[held] = list(concurrencies)
+        cands: list[Mapping] = []
+    else:
+        cands = candidate_mappings(cfg, spec, chips=chips, kv_tokens=isl + osl, sequence_tokens=isl + osl)
+        scored = screen(cfg, spec, cands, isl=isl, osl=osl, concurrencies=list(concurrencies),
+                        routing=routing)
+        for c in concurrencies:
+            here = [p for p in scored if p.concurrency == c]
+            for objective in OBJECTIVES:
+                for p in shortlist(here, objective, finalists):
+                    if c not in tasks.setdefault(p.mapping, []):
+                        tasks[p.mapping].append(c)
     if on_plan is not None:
         on_plan(sum(len(v) for v in tasks.values()))
     # In this process the task reports each point as it is simulated; a task elsewhere cannot
@@ -304,6 +327,21 @@ def sweep_mappings(
     points = [p for pts in ordered_map(_mapping_points, args, executor=executor, on_result=done) for p in pts]
     points.sort(key=lambda p: (p.concurrency, p.mapping))
     return points, len(cands)
+
+
+def _held_mapping(cfg: ModelConfig, spec: ChipSpec, mapping: Mapping | str, chips: int | None,
+                  sequence_tokens: int) -> Mapping:
+    """``mapping`` parsed and checked before any task starts (a task elsewhere would report it
+    late): its chip count against ``chips``, then what the step model checks (the model's shape
+    and the chip's domain; the weights fit with room for KV cache)."""
+    held = parse_mapping(mapping) if isinstance(mapping, str) else mapping
+    if chips is not None and chips != held.chips:
+        raise InvalidArgumentError(f"--chips {chips} disagrees with mapping {held.name} ({held.chips} chips)")
+    check_mapping(cfg, held, spec)
+    if fits(cfg, spec, held, 0, sequence_tokens=sequence_tokens).kv_capacity_tokens < 1:
+        raise FitError(f"{cfg.name} on {spec.name} with {held.name}: the weights leave no HBM for the KV "
+                       "cache", hint="use more chips")
+    return held
 
 
 def _mapping_points(
@@ -418,6 +456,68 @@ def compare_presets(
         else:
             results.pop(key, None)
             errors[key] = error
+    return results, errors
+
+
+def compare_frontiers(
+    cfg: ModelConfig | str,
+    presets: Sequence[ChipSpec | str],
+    isl: int,
+    osl: int,
+    concurrencies: Sequence[int],
+    *,
+    routing: Routing | str = UNIFORM,
+    finalists: int = 2,
+    chips: int | None = None,
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    disk_cache: bool = False,
+    spec_overrides: dict[str, Any] | None = None,
+    executor: Executor | None = None,
+    on_plan: Callable[[str, int], None] | None = None,
+    on_point: Callable[[str, SweepPoint], None] | None = None,
+    on_preset: Callable[[str, str | None], None] | None = None,
+) -> tuple[dict[str, list[SweepPoint]], dict[str, str]]:
+    """Each preset's sweep (:func:`sweep_mappings`: every concurrency with the mappings worth
+    simulating there): the points its frontier, its best throughput at a given interactivity and
+    its peak are read from (:mod:`jalapeno_emu.serving.quotes`). Presets run one after the other,
+    each sweep's mapping tasks on ``executor``.
+
+    A preset that cannot be modelled (any ``EmuError``) is reported with its one-line message, as
+    in :func:`compare_presets`.
+
+    Args:
+        on_plan, on_point: :func:`sweep_mappings`' callbacks, with the preset's name first.
+        on_preset: called with (preset, error or None) as each preset's sweep completes.
+        The rest: as :func:`sweep_mappings` and :func:`compare_presets`.
+
+    Returns:
+        (results, errors): preset -> its points, and preset -> message, both in the order of
+        ``presets`` and keyed by the name given (a ChipSpec by its ``name``).
+    """
+    concurrencies = distinct_concurrencies(concurrencies, "concurrencies")
+    results: dict[str, list[SweepPoint]] = {}
+    errors: dict[str, str] = {}
+    model: ModelConfig | None = None
+    for preset in presets:
+        key = preset if isinstance(preset, str) else preset.name
+        try:
+            spec = load_preset(preset) if isinstance(preset, str) else preset
+            if spec_overrides:
+                spec = spec.replace(**spec_overrides)
+            model = model or (load_model_config(cfg) if isinstance(cfg, str) else cfg)
+            points, _ = sweep_mappings(
+                model, spec, isl, osl, concurrencies, routing=routing, finalists=finalists, chips=chips,
+                max_batch_tokens=max_batch_tokens, disk_cache=disk_cache, executor=executor,
+                on_plan=None if on_plan is None else (lambda n, key=key: on_plan(key, n)),
+                on_point=None if on_point is None else (lambda pt, key=key: on_point(key, pt)))
+        except EmuError as exc:
+            results.pop(key, None)
+            errors[key] = str(exc)
+        else:
+            errors.pop(key, None)
+            results[key] = points
+        if on_preset is not None:
+            on_preset(key, errors.get(key))
     return results, errors
 
 

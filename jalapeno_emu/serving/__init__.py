@@ -16,7 +16,9 @@ from jalapeno_emu.serving.output import write_points_csv as write_points_csv
 from jalapeno_emu.serving.output import write_points_json as write_points_json
 from jalapeno_emu.serving.pareto import pareto_front as pareto_front
 from jalapeno_emu.serving.pareto import pareto_fronts as pareto_fronts
+from jalapeno_emu.serving.pareto import peak_point as peak_point
 from jalapeno_emu.serving.pareto import point_value as point_value
+from jalapeno_emu.serving.pareto import value_at as value_at
 from jalapeno_emu.serving.plot import plot_pareto as plot_pareto
 from jalapeno_emu.serving.simulate import default_requests as default_requests
 from jalapeno_emu.serving.simulate import simulate as simulate
@@ -42,12 +44,14 @@ __all__ = [
     "default_requests",
     "pareto_front",
     "pareto_fronts",
+    "peak_point",
     "plot_pareto",
     "point_value",
     "power_w_from_spec",
     "read_points_json",
     "simulate",
     "sweep",
+    "value_at",
     "write_points_csv",
     "write_points_json",
 ]

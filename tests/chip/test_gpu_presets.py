@@ -96,3 +96,12 @@ def test_chip_show_prints_a_gpu_preset_with_provenance(capsys):
     assert doc["name"] == "gb200-nvl72" and doc["spec"]["link"]["domain_chips"] == 72
     assert doc["provenance"]["power.tdp_w"]["kind"] == "public"
     assert doc["derived"]["domain_peak_mxfp4_flops_per_s"] == pytest.approx(72 * 10 * PF, rel=0.02)
+
+
+def test_gb300_all_in_power_is_the_public_comparison_point():
+    # The figure quoted with the Jalapeño disclosure (2.55 kW per GB300 against 1.18 kW per chip),
+    # not an estimate of our own: ratios per kW all-in against jalapeno-v1 rest on it.
+    gb300, jalapeno = chip.load_preset("gb300-nvl72"), chip.load_preset("jalapeno-v1")
+    assert gb300.power.facility_w_per_chip == 2550 and jalapeno.power.facility_w_per_chip == 1180
+    for spec in (gb300, jalapeno):
+        assert spec.provenance["power.facility_w_per_chip"].kind == "public"

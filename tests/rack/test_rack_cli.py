@@ -160,7 +160,64 @@ def test_serve_shows_the_kernel_programs_built_while_it_runs():
             time.sleep(0.01)
     assert "m on p:" in out.getvalue() and "kernel programs built and timed" in out.getvalue()
     quiet = io.StringIO()
-    with _builds_shown(App(json_output=True, err_console=Console(file=quiet, force_terminal=True)), timer, "x",
-                       every_s=0.01):
+    quiet_app = App(json_output=True, err_console=Console(file=quiet, force_terminal=True))
+    with _builds_shown(quiet_app, timer, "x", every_s=0.01):
         time.sleep(0.05)
     assert quiet.getvalue() == ""  # --json: nothing on stderr
+
+
+def test_compare_at_an_interactivity_and_at_the_peak_reads_each_frontier(capsys):
+    argv = ["compare", *TINY, "--presets", "jalapeno-v1,h200", "--concurrency", "1,4,16", "--finalists", "1",
+            "--interactivity", "7000", "--peak", "--power", "all-in", "--json", "--workers", "1"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["power"] == "all_in" and doc["concurrencies"] == [1, 4, 16] and not doc["errors"]
+    row = doc["interactivity"][0]
+    for preset in ("jalapeno-v1", "h200"):
+        front = doc["frontiers"][preset]
+        xs = [p["interactivity_tok_s_user"] for p in front]
+        assert xs == sorted(xs) and {p["concurrency"] for p in front} <= {1, 4, 16}
+        got = row[preset]
+        lo, hi = got["from"]  # 7000 tok/s/user lies between two simulated points of each frontier
+        assert lo["interactivity_tok_s_user"] < 7000 <= hi["interactivity_tok_s_user"]
+        x0, x1 = lo["interactivity_tok_s_user"], hi["interactivity_tok_s_user"]
+        share = (7000 - x0) / (x1 - x0)
+        for key in ("throughput_tok_s_per_chip", "tok_s_per_kw"):
+            assert got[key] == pytest.approx(lo[key] + share * (hi[key] - lo[key]))
+        peak = doc["peak"][preset]
+        assert peak["throughput_tok_s_per_chip"] == max(p["throughput_tok_s_per_chip"] for p in front)
+        key = (peak["concurrency"], peak["mapping"])
+        at = next(p for p in front if (p["concurrency"], p["mapping"]) == key)
+        assert peak["tok_s_per_kw"] == pytest.approx(at["tok_s_per_kw"]["all_in"])
+    assert row["ratios"]["h200"]["tok_s_per_kw"] == pytest.approx(
+        row["jalapeno-v1"]["tok_s_per_kw"] / row["h200"]["tok_s_per_kw"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--interactivity", "fast"], "--interactivity 'fast' must be a number"),
+    (["--interactivity", "-5"], "must be a positive, finite number"),
+    (["--power", "wall"], "invalid choice: 'wall'"),
+])
+def test_compare_frontier_errors_are_one_line(capsys, argv, message):
+    assert main(["compare", *TINY, "--presets", "jalapeno-v1,h200", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_sweep_holds_one_mapping_at_every_concurrency(capsys):
+    argv = ["sweep", *TINY, "--concurrency", "1,4", "--mapping", "tp=2", "--json", "--workers", "1"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mapping"] == "tp=2,ep=1,dp=1,pp=1" and doc["candidates_screened"] == 0
+    assert sorted((p["concurrency"], p["mapping"]) for p in doc["points"]) == [
+        (1, "tp=2,ep=1,dp=1,pp=1"), (4, "tp=2,ep=1,dp=1,pp=1")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mapping", "tp=3"], "tp=3 must divide the 4 attention heads"),
+    (["--mapping", "tp=2", "--chips", "4"], "--chips 4 disagrees with mapping tp=2,ep=1,dp=1,pp=1"),
+])
+def test_sweep_refuses_a_mapping_before_simulating(capsys, argv, message):
+    assert main(["sweep", *TINY, "--concurrency", "1", *argv, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

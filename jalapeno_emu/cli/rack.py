@@ -62,6 +62,25 @@ def _workload(p: argparse.ArgumentParser) -> None:
         "(one persistent program per step); default: each preset's software.fusion",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--mtp", type=int, default=0, metavar="K",
+                   help="speculative decoding with multi-token prediction: K draft tokens per step, verified "
+                   "in one pass of K + 1 tokens per sequence (default 0: single-token prediction)")
+    p.add_argument("--mtp-acceptance", metavar="P", default=None,
+                   help="conditional acceptance of each draft token: one probability, or one per position "
+                   "(comma-separated, e.g. 0.9,0.8; default 0.85, DeepSeek-V3's reported low end)")
+
+
+def _speculation(args: argparse.Namespace) -> Any:
+    """The run's :class:`~jalapeno_emu.serving.speculative.Speculation` from ``--mtp`` and
+    ``--mtp-acceptance`` (None: single-token prediction); a bad value is one line."""
+    from jalapeno_emu.errors import InvalidArgumentError
+    from jalapeno_emu.serving.speculative import parse_acceptance, speculation
+
+    try:
+        acceptance = None if args.mtp_acceptance is None else parse_acceptance(args.mtp_acceptance)
+        return speculation(args.mtp, acceptance)
+    except InvalidArgumentError as exc:
+        raise Abort(f"--mtp {args.mtp}: {exc}") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -270,6 +289,7 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.rack.launch_timer import launch_executor, shared_timer
 
     # Arguments beyond their limits are refused before the status line, not after it.
+    spec_decode = _speculation(args)
     cfg = load_model_config(args.model)
     check_workload(cfg, args.isl, args.osl, [args.concurrency], requests=args.requests,
                    max_batch_tokens=args.max_batch_tokens)
@@ -296,6 +316,7 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
             requests=args.requests,
             seed=args.seed,
             disk_cache=_cache(args),
+            speculation=spec_decode,
         )
     doc = pred.as_dict()
     if app.json_output:
@@ -313,6 +334,14 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
         f"sustained {pk['sustained']:,.0f}, all-in {pk['all_in']:,.0f}; KV capacity "
         f"{doc['kv_capacity_tokens']:,} tokens; mean decode batch {doc['mean_decode_batch']:.1f}"
     )
+    if spec_decode is not None:
+        mtp = doc["mtp"]
+        app.console.print(
+            f"MTP: {mtp['draft_tokens']} draft token(s) per step, acceptance "
+            f"{', '.join(f'{p:.2f}' for p in mtp['acceptance'])}: expected "
+            f"{mtp['expected_tokens_per_step']:.2f} tokens per sequence and step, simulated "
+            f"{doc['tokens_per_decode_step']:.2f}"
+        )
     if pred.finalists:
         app.console.print(
             f"searched {pred.screened} mappings (analytic screen); simulated: "
@@ -346,6 +375,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.serving import pareto_front, plot_pareto, write_points_csv
 
     concs = _ints(args.concurrency, "--concurrency")
+    spec_decode = _speculation(args)
     # Every output checked before the sweep (which can take an hour), not after it.
     png, svg = _plot_paths(args.plot) if args.plot else (None, None)
     check_output_paths({"--csv": args.csv, "--plot": png or svg,
@@ -376,6 +406,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
             on_point=lambda _p: progress.advance(task),
             executor=ex,
             mapping=args.mapping,
+            speculation=spec_decode,
         )
     held = points[0].mapping if args.mapping and points else None
     front = pareto_front(points, y=args.y)
@@ -398,6 +429,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
                 "concurrencies": concs,
                 "candidates_screened": screened,
                 "mapping": held,
+                "mtp": None if spec_decode is None else spec_decode.as_dict(),
                 "y": args.y,
                 "points": rows,
                 "frontier": front_rows,
@@ -434,6 +466,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
     xs = _floats(args.interactivity, "--interactivity") if args.interactivity else []
     default = _DEFAULT_CONCURRENCIES if frontier else "1,64,1024"
     concs = _ints(args.concurrency or default, "--concurrency")
+    spec_decode = _speculation(args)
     for preset in presets:
         # A preset that does not load (a typo, a bad TOML) is the user's to fix before anything
         # runs: one line now, not a status line, a table and a JSON "errors" entry later.
@@ -442,7 +475,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
         except EmuError as exc:
             raise Abort(f"--presets: {exc}") from None
     if frontier:
-        return _run_compare_frontiers(app, args, presets, concs, xs)
+        return _run_compare_frontiers(app, args, presets, concs, xs, spec_decode)
     with executor(args.workers, args.scheduler) as ex:
         app.status(f"{args.model} on {', '.join(presets)}, concurrency {', '.join(map(str, concs))}")
         results, errors = compare_presets(
@@ -458,6 +491,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
             disk_cache=_cache(args),
             spec_overrides={"software.fusion": args.fusion} if args.fusion else None,
             executor=ex,
+            speculation=spec_decode,
             on_preset=lambda preset, error: app.status(
                 f"{preset}: " + ("failed (the error is printed at the end)" if error else "done")),
         )
@@ -472,6 +506,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
                 "osl": args.osl,
                 "objective": args.objective,
                 "power": args.power,
+                "mtp": None if spec_decode is None else spec_decode.as_dict(),
                 "presets": presets,
                 "rows": rows,
                 "errors": errors,
@@ -493,7 +528,7 @@ def _report_errors(app: App, errors: dict[str, str]) -> int:
 
 
 def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str], concs: list[int],
-                           xs: list[float]) -> int:
+                           xs: list[float], spec_decode: Any) -> int:
     """``compare --interactivity X`` / ``--peak``: each preset swept, its frontier read at X and at
     its peak (:mod:`jalapeno_emu.serving.quotes`)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -516,7 +551,8 @@ def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str
             args.model, presets, args.isl, args.osl, concs, routing=args.routing, finalists=args.finalists,
             max_batch_tokens=args.max_batch_tokens, disk_cache=_cache(args),
             spec_overrides={"software.fusion": args.fusion} if args.fusion else None, executor=ex,
-            on_plan=planned, on_point=lambda preset, _p: progress.advance(tasks[preset]))
+            speculation=spec_decode, on_plan=planned,
+            on_point=lambda preset, _p: progress.advance(tasks[preset]))
     ref = presets[0]
     points = {p: [pt.as_dict() for pt in pts] for p, pts in results.items()}
     rows = [at_interactivity(points, x, ref=ref, power=args.power) for x in xs]
@@ -524,7 +560,8 @@ def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str
     if app.json_output:
         app.emit_json("compare", {
             "model": args.model, "isl": args.isl, "osl": args.osl, "power": args.power, "presets": presets,
-            "concurrencies": concs, "interactivity": rows, "peak": peak,
+            "mtp": None if spec_decode is None else spec_decode.as_dict(), "concurrencies": concs,
+            "interactivity": rows, "peak": peak,
             "frontiers": {p: pareto_front(pts) for p, pts in points.items()}, "errors": errors})
     else:
         _print_frontier_quotes(app, args, presets, points, rows, peak)

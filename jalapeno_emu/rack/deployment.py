@@ -39,6 +39,7 @@ from jalapeno_emu.serving.limits import (
 )
 from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import simulate
+from jalapeno_emu.serving.speculative import Speculation
 from jalapeno_emu.serving.sweep import SweepPoint
 
 __all__ = [
@@ -80,13 +81,15 @@ class Prediction:
     step_model: RackStepModel
     finalists: tuple[tuple[Mapping, ServingMetrics], ...] = ()
     screened: int = 0
+    speculation: Speculation | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Flat JSON fields: the serving metrics (``interactivity_tok_s_user``, ``ttft_s``,
         ``tpot_s``, ``e2e_s`` medians, ``throughput_tok_s_per_chip``, ``tok_s_per_kw`` {package,
         sustained, all_in}, ``mapping``, ``chips``, ...) plus model, preset, objective, routing,
         ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens``, ``fusion`` (how the chips'
-        launches join into programs) and the finalists."""
+        launches join into programs), ``mtp`` (speculative decoding: draft tokens, acceptance,
+        expected tokens per step; None without) and the finalists."""
         out = self.metrics.as_dict()
         out.update(
             model=self.model,
@@ -99,6 +102,7 @@ class Prediction:
             kv_capacity_tokens=self.step_model.kv_capacity_tokens,
             max_batch_tokens=self.step_model.max_batch_tokens,
             fusion=self.step_model.fusion,
+            mtp=None if self.speculation is None else self.speculation.as_dict(),
             screened=self.screened,
             finalists=[
                 {
@@ -171,6 +175,7 @@ def predict(
     requests: int | None = None,
     seed: int = 0,
     disk_cache: bool = False,
+    speculation: Speculation | None = None,
 ) -> Prediction:
     """Serve ``cfg`` on chips of ``preset`` at one ISL/OSL/concurrency point.
 
@@ -188,6 +193,8 @@ def predict(
         max_batch_tokens: per DP group token budget of one step.
         requests, seed: the simulator's measured requests and length seed.
         disk_cache: keep kernel timings on disk across processes.
+        speculation: speculative decoding (MTP, :func:`jalapeno_emu.serving.speculative.speculation`);
+            None: single-token prediction.
 
     Raises:
         InvalidArgumentError: bad arguments, one beyond its limit (:mod:`jalapeno_emu.serving.limits`:
@@ -214,6 +221,7 @@ def predict(
             disk_cache=disk_cache,
             requests=requests,
             seed=seed,
+            speculation=speculation,
         )
         return Prediction(
             cfg.name,
@@ -228,6 +236,7 @@ def predict(
             choice.model,
             choice.finalists,
             choice.screened,
+            speculation,
         )
     mapping = parse_mapping(mapping) if isinstance(mapping, str) else mapping
     if chips is not None and chips != mapping.chips:
@@ -243,10 +252,10 @@ def predict(
         sequence_tokens=isl + osl,
         disk_cache=disk_cache,
     )
-    metrics = simulate(
-        model, isl=isl, osl=osl, concurrency=concurrency, requests=requests, seed=seed, power_w=model.power_w
-    )
-    return Prediction(cfg.name, spec.name, isl, osl, concurrency, None, routing, mapping, metrics, model)
+    metrics = simulate(model, isl=isl, osl=osl, concurrency=concurrency, requests=requests, seed=seed,
+                       power_w=model.power_w, speculation=speculation)
+    return Prediction(cfg.name, spec.name, isl, osl, concurrency, None, routing, mapping, metrics, model,
+                      speculation=speculation)
 
 
 def sweep_mappings(
@@ -265,6 +274,7 @@ def sweep_mappings(
     on_point: Callable[[SweepPoint], None] | None = None,
     executor: Executor | None = None,
     mapping: Mapping | str | None = None,
+    speculation: Speculation | None = None,
 ) -> tuple[list[SweepPoint], int]:
     """Every concurrency, with the mappings worth simulating there (or one mapping held).
 
@@ -280,6 +290,7 @@ def sweep_mappings(
         mapping: serve every concurrency with this mapping (a Mapping or ``"tp=8,ep=8"``): nothing
             is screened or searched, and the points are that one deployment's curve (what a
             fixed production configuration does as load grows).
+        speculation: speculative decoding (MTP) at every point; None: single-token prediction.
         on_plan: called once with the number of points to simulate (for a progress bar).
         on_point: called after each simulated point (serial), or for each point of a mapping as
             its task completes (with an executor); always in the calling thread.
@@ -316,8 +327,8 @@ def sweep_mappings(
     # In this process the task reports each point as it is simulated; a task elsewhere cannot
     # call back, so its points are reported here as it completes.
     live = on_point if executor is None else None
-    args = [(cfg, spec, mapping, tuple(sorted(concs)), isl, osl, routing, max_batch_tokens, disk_cache, live)
-            for mapping, concs in tasks.items()]
+    args = [(cfg, spec, mapping, tuple(sorted(concs)), isl, osl, routing, max_batch_tokens, disk_cache, live,
+             speculation) for mapping, concs in tasks.items()]
 
     def done(_i: int, pts: list[SweepPoint]) -> None:
         if on_point is not None and live is None:
@@ -355,6 +366,7 @@ def _mapping_points(
     max_batch_tokens: int,
     disk_cache: bool,
     on_point: Callable[[SweepPoint], None] | None,
+    speculation: Speculation | None = None,
 ) -> list[SweepPoint]:
     """One task of :func:`sweep_mappings`: the mapping's step model, simulated at each concurrency."""
     model = step_model(
@@ -368,7 +380,8 @@ def _mapping_points(
     )
     points = []
     for c in concurrencies:
-        metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w)
+        metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w,
+                           speculation=speculation)
         points.append(SweepPoint(mapping.name, spec.name, c, metrics))
         if on_point is not None:
             on_point(points[-1])
@@ -390,6 +403,7 @@ def compare_presets(
     spec_overrides: dict[str, Any] | None = None,
     executor: Executor | None = None,
     on_preset: Callable[[str, str | None], None] | None = None,
+    speculation: Speculation | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
     """``cfg`` on each preset at each concurrency (:func:`predict`, the mapping searched for
     ``objective``): the ``compare`` command's predictions, one task per preset.
@@ -408,7 +422,8 @@ def compare_presets(
             other in this process. The results are the same either way.
         on_preset: called in the calling thread with (preset, error or None) as each preset's
             predictions complete.
-        objective, routing, finalists, max_batch_tokens, disk_cache, isl, osl: as :func:`predict`.
+        objective, routing, finalists, max_batch_tokens, disk_cache, isl, osl, speculation: as
+            :func:`predict`.
 
     Returns:
         (results, errors): preset -> one :meth:`Prediction.as_dict` per distinct concurrency
@@ -437,7 +452,7 @@ def compare_presets(
                 on_preset(keys[i], str(exc))
             continue
         kwargs = dict(objective=objective, routing=routing, finalists=finalists,
-                      max_batch_tokens=max_batch_tokens, disk_cache=disk_cache)
+                      max_batch_tokens=max_batch_tokens, disk_cache=disk_cache, speculation=speculation)
         slots.append(i)
         args.append((model, spec, isl, osl, tuple(concurrencies), kwargs))
 
@@ -476,6 +491,7 @@ def compare_frontiers(
     on_plan: Callable[[str, int], None] | None = None,
     on_point: Callable[[str, SweepPoint], None] | None = None,
     on_preset: Callable[[str, str | None], None] | None = None,
+    speculation: Speculation | None = None,
 ) -> tuple[dict[str, list[SweepPoint]], dict[str, str]]:
     """Each preset's sweep (:func:`sweep_mappings`: every concurrency with the mappings worth
     simulating there): the points its frontier, its best throughput at a given interactivity and
@@ -508,6 +524,7 @@ def compare_frontiers(
             points, _ = sweep_mappings(
                 model, spec, isl, osl, concurrencies, routing=routing, finalists=finalists, chips=chips,
                 max_batch_tokens=max_batch_tokens, disk_cache=disk_cache, executor=executor,
+                speculation=speculation,
                 on_plan=None if on_plan is None else (lambda n, key=key: on_plan(key, n)),
                 on_point=None if on_point is None else (lambda pt, key=key: on_point(key, pt)))
         except EmuError as exc:

@@ -52,6 +52,7 @@ from jalapeno_emu.rack.slices import ACT_BYTES
 from jalapeno_emu.rack.step_model import DEFAULT_BATCH_TOKENS, RackStepModel
 from jalapeno_emu.serving.metrics import ServingMetrics
 from jalapeno_emu.serving.simulate import simulate
+from jalapeno_emu.serving.speculative import Speculation
 
 __all__ = [
     "OBJECTIVES",
@@ -410,11 +411,13 @@ def best_mapping(
     disk_cache: bool = False,
     requests: int | None = None,
     seed: int = 0,
+    speculation: Speculation | None = None,
 ) -> MappingChoice:
     """The best mapping of ``cfg`` on ``spec`` for ``objective`` at one workload point.
 
     Every candidate (:func:`candidate_mappings`) is screened analytically; the ``finalists`` best
-    are simulated with their timing-pass step models; the best simulated one is returned.
+    are simulated with their timing-pass step models (with ``speculation``, MTP's drafting and
+    verification: the screen does not model it); the best simulated one is returned.
 
     Raises:
         InvalidArgumentError: bad objective, chips or workload; FitError: nothing fits.
@@ -444,6 +447,7 @@ def best_mapping(
             requests=requests,
             seed=seed,
             power_w=model.power_w,
+            speculation=speculation,
         )
         results.append((p.mapping, metrics, model))
     results.sort(key=lambda r: -metric_value(r[1], objective))

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from jalapeno_emu.chip import ChipSpec
+from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.model.config import ModelConfig
 from jalapeno_emu.model.plan import Launch, Step, head_launches, launch, layer_launches, tail_launches
 from jalapeno_emu.rack.collectives import CollectiveTime, best_all_gather, best_all_reduce, best_all_to_all
@@ -254,13 +255,26 @@ def token_launches(cfg: ModelConfig, mapping: Mapping, layer: int, tokens: int) 
 
 
 def decode_attention_launches(
-    cfg: ModelConfig, mapping: Mapping, layer: int, batch: int, context: int
+    cfg: ModelConfig, mapping: Mapping, layer: int, batch: int, context: int, query_tokens: int = 1
 ) -> tuple[Launch, ...]:
-    """The cache append and decode attention of ``batch`` sequences of ``context`` tokens on one chip."""
+    """The cache append and decode attention of ``batch`` sequences of ``context`` tokens on one chip.
+
+    ``query_tokens`` > 1 (speculative decoding's verification: K + 1 tokens per sequence) runs
+    the decode kernels with ``query_tokens`` times the query heads per KV head: every query row
+    of a sequence reads its KV cache once, as the GPU stacks' kernels batch a sequence's query
+    tokens with its heads (FlashMLA folds seqlen_q into the heads, FlashInfer's GQA decode the
+    query tokens into the head group). What it leaves out is small beside the cache read: the
+    causal mask among the K + 1 tokens and the append of K more cache rows.
+    """
+    if isinstance(query_tokens, bool) or not isinstance(query_tokens, int) or query_tokens < 1:
+        raise InvalidArgumentError(f"query_tokens={query_tokens!r} must be an integer >= 1")
     step = Step("decode", batch=batch, context=context)
-    return tuple(
-        la for la in layer_launches(chip_config(cfg, mapping), layer, step) if la.label in ATTENTION_LABELS
-    )
+    chip = chip_config(cfg, mapping)
+    if query_tokens > 1:
+        kv = chip.q_heads * query_tokens if chip.attention == "mla" else chip.kv_heads
+        chip = dataclasses.replace(chip, name=f"{chip.name}[q{query_tokens}]",
+                                   q_heads=chip.q_heads * query_tokens, kv_heads=kv)
+    return tuple(la for la in layer_launches(chip, layer, step) if la.label in ATTENTION_LABELS)
 
 
 def prefill_attention_launches(

@@ -232,29 +232,19 @@ class RackStepModel:
         kv_units = 1 if self.cfg.attention == "mla" else self._chip.kv_heads
         self.b_unit = max(2, _pow2_ceil(2.0 * cores / kv_units))
         self.n_unit = min(8192, _pow2_ceil(max(128.0, 128.0 * cores / self._chip.q_heads)))
-        b_grid = _POW2[self.b_unit >= _POW2]
         n_grid = _POW2[(_POW2 >= 32) & (max(32, self.n_unit) >= _POW2)]
         d = self.spec.derived()
         rates = (d["hbm_achievable_bytes_per_s"], d["peak_bf16_flops_per_s"])
         self._tok: dict[tuple[int, bool], LazyGrid1D] = {}
         self._dec: dict[tuple[int, bool], LazyGrid2D] = {}
+        self._dec_q: dict[tuple[tuple[int, bool], int], LazyGrid2D] = {}  # speculative decoding's
         self._pre: dict[tuple[int, bool], LazyGrid2D] = {}
         for kind, layer in self._rep.items():
             self._tok[kind] = LazyGrid1D(
                 _POW2, lambda t, layer=layer: self._token_s(layer, t),
                 prefetch=lambda ts, layer=layer: self._prefetch(
                     [token_launches(self.cfg, self.mapping, layer, t) for t in ts]))
-            self._dec[kind] = LazyGrid2D(
-                b_grid,
-                CONTEXT_GRID,
-                lambda b, c, layer=layer: self._figures(
-                    decode_attention_launches(self.cfg, self.mapping, layer, b, c),
-                    layer, Step("decode", batch=int(b), context=int(c)),
-                ),
-                *rates,
-                prefetch=lambda pts, layer=layer: self._prefetch(
-                    [decode_attention_launches(self.cfg, self.mapping, layer, b, c) for b, c in pts]),
-            )
+            self._dec[kind] = self._decode_grid(layer, 1)
             self._pre[kind] = LazyGrid2D(
                 n_grid,
                 PRIOR_GRID,
@@ -286,6 +276,23 @@ class RackStepModel:
             self._moe_pieces: dict[int, tuple[float, bool]] = {}
             self._moe_refused: set[int] = set()  # batches the kernel refused (not monotone in tokens)
             self._moe_answers: dict[float, float] = {}  # steps repeat their received token counts
+
+    def _decode_grid(self, layer: int, query_tokens: int) -> LazyGrid2D:
+        """``D`` of ``layer``'s kind for ``query_tokens`` query tokens per sequence (batch x
+        context; more than one under speculative decoding: ``decode_attention_launches``)."""
+        d = self.spec.derived()
+        q = query_tokens
+        return LazyGrid2D(
+            _POW2[self.b_unit >= _POW2],
+            CONTEXT_GRID,
+            lambda b, c: self._figures(
+                decode_attention_launches(self.cfg, self.mapping, layer, b, c, q),
+                layer, Step("decode", batch=int(b), context=int(c)),
+            ),
+            d["hbm_achievable_bytes_per_s"], d["peak_bf16_flops_per_s"],
+            prefetch=lambda pts: self._prefetch(
+                [decode_attention_launches(self.cfg, self.mapping, layer, b, c, q) for b, c in pts]),
+        )
 
     def _prefetch(self, points: Sequence[Sequence[Any]]) -> None:
         """Time side by side the launches of grid points about to be computed, each point's
@@ -445,8 +452,39 @@ class RackStepModel:
         return total
 
     def _decode_attention_s(self, kind: tuple[int, bool], batch: int,
-                            contexts: np.ndarray | float) -> np.ndarray | float:
-        return self._dec[kind](float(batch), contexts)
+                            contexts: np.ndarray | float, query_tokens: int = 1) -> np.ndarray | float:
+        if query_tokens == 1:
+            return self._dec[kind](float(batch), contexts)
+        grid = self._dec_q.get((kind, query_tokens))
+        if grid is None:
+            grid = self._dec_q[(kind, query_tokens)] = self._decode_grid(self._rep[kind], query_tokens)
+        return grid(float(batch), contexts)
+
+    def _layer_s(self, kind: tuple[int, bool], t: float, stage_tokens: float, b: int, q: int,
+                 mean_context: np.ndarray | float | None, zeros: np.ndarray | float,
+                 mine: Sequence[tuple[int, int]], flight: int, exact: bool) -> np.ndarray | float:
+        """One layer of ``kind`` on the busiest chip for a micro-batch: its token part on ``t``
+        tokens, routed experts for ``stage_tokens``, the prefill chunks ``mine`` (1/``flight`` of
+        them) and the decode attention of ``b`` sequences of ``q`` query tokens each."""
+        base = self._exact_token_s(kind, t) if exact else self._tok[kind](t)
+        if kind[1]:
+            assert self.load is not None
+            received = float(self.load.received(stage_tokens))
+            base += (
+                self._exact_moe_s(received, stage_tokens)
+                if exact
+                else self.moe_compute_s(received) + self._a2a(stage_tokens)
+            )
+        if mine:
+            pre = self._exact_prefill_s(kind, mine) if exact else self._prefill_attention_s(kind, mine)
+            base += pre / flight
+        if mean_context is None:
+            att = zeros
+        elif exact:
+            att = np.array([self._exact_decode_s(kind, b, float(c), q) for c in np.atleast_1d(mean_context)])
+        else:
+            att = self._decode_attention_s(kind, b, mean_context, q)
+        return base + att + self._launch_per_layer_s
 
     def _step_times(
         self,
@@ -454,44 +492,29 @@ class RackStepModel:
         context_sums: np.ndarray | float,
         chunks: Sequence[tuple[int, int]],
         exact: bool = False,
+        query_tokens: int = 1,
     ) -> np.ndarray | float:
         """float64[len(context_sums)]: step times for ``decode_count`` sequences whose contexts sum
         to each entry, plus the prefill ``chunks`` (shared by step_time_s and the stretch hook);
         ``exact`` prices every part by a direct launch instead of the grid. One context sum (a
         float) gives one time, priced in plain floats with the same arithmetic (numpy's cost per
-        call is most of a single step's price)."""
+        call is most of a single step's price). ``query_tokens`` > 1: speculative decoding, each
+        decoding sequence verifying that many tokens after drafting ``query_tokens - 1`` of them
+        (see the module docstring)."""
         m = self.mapping
         pp = m.pp
+        q = query_tokens
         b_group = math.ceil(decode_count / m.dp)
         mine = self._busiest_bin(chunks)
         flight = pp if mine else max(1, min(pp, b_group))  # micro-batches in flight
         b = math.ceil(b_group / flight)
         p_tokens = sum(new for new, _ in mine) / flight
-        t = b + p_tokens
-        stage_tokens = (decode_count + sum(new for new, _ in chunks)) / flight
+        t = b * q + p_tokens
+        stage_tokens = (decode_count * q + sum(new for new, _ in chunks)) / flight
         mean_context = context_sums / decode_count if decode_count else None
-        layer_s: dict[tuple[int, bool], np.ndarray | float] = {}
-        for kind in self._rep:
-            base = self._exact_token_s(kind, t) if exact else self._tok[kind](t)
-            if kind[1]:
-                assert self.load is not None
-                received = float(self.load.received(stage_tokens))
-                base += (
-                    self._exact_moe_s(received, stage_tokens)
-                    if exact
-                    else self.moe_compute_s(received) + self._a2a(stage_tokens)
-                )
-            if mine:
-                pre = self._exact_prefill_s(kind, mine) if exact else self._prefill_attention_s(kind, mine)
-                base += pre / flight
-            if mean_context is None:
-                att = np.zeros_like(context_sums, dtype=np.float64) if isinstance(context_sums, np.ndarray) \
-                    else 0.0
-            elif exact:
-                att = np.array([self._exact_decode_s(kind, b, float(c)) for c in mean_context])
-            else:
-                att = self._decode_attention_s(kind, b, mean_context)
-            layer_s[kind] = base + att + self._launch_per_layer_s
+        zeros = np.zeros_like(context_sums, dtype=np.float64) if isinstance(context_sums, np.ndarray) else 0.0
+        layer_s = {kind: self._layer_s(kind, t, stage_tokens, b, q, mean_context, zeros, mine, flight, exact)
+                   for kind in self._rep}
         stages = []
         rows = b + len(mine) / flight
         for s, counts in enumerate(self._stages):
@@ -499,12 +522,25 @@ class RackStepModel:
             if s == 0:
                 total = total + (self._exact_head_s(t) if exact else self._head(t))
             if s == pp - 1:
-                total = total + (self._exact_tail_s(rows) if exact else self._tail(rows))
+                logit_rows = rows + b * (q - 1)  # the verification's: every query token's
+                total = total + (self._exact_tail_s(logit_rows) if exact else self._tail(logit_rows))
+                if q > 1 and b:
+                    draft = self._draft_s(b, decode_count / flight, mean_context, zeros, exact)
+                    total = total + (q - 1) * draft
             stages.append(total + self._launch_per_stage_s)
         if pp == 1:
             return stages[0]
         p2p = self.spec.link.message_s(t * self.cfg.hidden * ACT_BYTES)
         return np.maximum(sum(stages) + (pp - 1) * p2p, flight * np.maximum.reduce(stages))
+
+    def _draft_s(self, b: int, stage_tokens: float, mean_context: np.ndarray | float | None,
+                 zeros: np.ndarray | float, exact: bool) -> np.ndarray | float:
+        """One draft token of speculative decoding for ``b`` sequences: the draft module, one more
+        layer of the model's last layer's kind with one query token per sequence, then the final
+        norm and the logits (the module shares the model's output head)."""
+        kind = layer_kind(self.cfg, self.cfg.layers - 1)
+        layer = self._layer_s(kind, float(b), stage_tokens, b, 1, mean_context, zeros, (), 1, exact)
+        return layer + (self._exact_tail_s(b) if exact else self._tail(float(b)))
 
     # --- the same parts without the grid (validation) --------------------------------------------
     def _exact_token_s(self, kind: tuple[int, bool], tokens: float) -> float:
@@ -525,9 +561,10 @@ class RackStepModel:
             total += self._launches_s(launches, layer, Step("prefill", batch=1, seq=n, prior=p))
         return total
 
-    def _exact_decode_s(self, kind: tuple[int, bool], batch: int, context: float) -> float:
+    def _exact_decode_s(self, kind: tuple[int, bool], batch: int, context: float,
+                        query_tokens: int = 1) -> float:
         c = -(-round(context) // 32) * 32 if self.cfg.attention == "mla" else round(context)
-        launches = decode_attention_launches(self.cfg, self.mapping, self._rep[kind], batch, c)
+        launches = decode_attention_launches(self.cfg, self.mapping, self._rep[kind], batch, c, query_tokens)
         return self._launches_s(launches, self._rep[kind], Step("decode", batch=batch, context=c))
 
     def _exact_head_s(self, tokens: float) -> float:
@@ -549,14 +586,16 @@ class RackStepModel:
         if work.batch_tokens <= 0:
             raise InvalidArgumentError("exact_step_time_s: a step needs at least one token")
         sums = np.array([float(work.decode_context_tokens)])
-        return float(self._step_times(work.decode_count, sums, work.prefill_chunks, exact=True)[0])
+        return float(self._step_times(work.decode_count, sums, work.prefill_chunks, exact=True,
+                                      query_tokens=work.decode_query_tokens)[0])
 
     def step_time_s(self, work: StepWork) -> float:
         """Seconds the deployment takes for one engine step (see the module docstring)."""
         if work.batch_tokens <= 0:
             raise InvalidArgumentError("step_time_s: a step needs at least one token")
         sums = float(work.decode_context_tokens)
-        return float(self._step_times(work.decode_count, sums, work.prefill_chunks))
+        return float(self._step_times(work.decode_count, sums, work.prefill_chunks,
+                                      query_tokens=work.decode_query_tokens))
 
     def decode_stretch_times_s(self, contexts: np.ndarray, steps: int) -> np.ndarray:
         """float64[steps]: decode-only steps, contexts + j at step j (the same arithmetic as

@@ -80,6 +80,11 @@ class ServingMetrics:
     kv_bound_step_share: float
     """Share of the window's steps where the oldest waiting request could not be admitted because
     its KV reservation did not fit."""
+    draft_tokens: int = 0
+    """Speculative decoding: draft tokens per sequence and step (0: single-token prediction)."""
+    tokens_per_decode_step: float = 1.0
+    """Output tokens a decoding sequence emitted per step, averaged over the window (1 without
+    speculative decoding; 1 + the mean accepted drafts with it)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Flat JSON-ready fields: the medians under ``ttft_s``/``tpot_s``/``e2e_s``, mean and p99
@@ -148,11 +153,13 @@ class WindowCounters:
     steps: int
     decode_sequence_steps: int
     kv_bound_steps: int
+    decode_tokens: int = 0
+    """Output tokens the decode sequence-steps emitted (``decode_sequence_steps`` without MTP)."""
 
 
 def summarise(*, mapping: str, concurrency: int, chips: int, isl: int, osl: int, warmup_requests: int,
               requests: RequestTimes, window: WindowCounters, total_steps: int, simulated_s: float,
-              power_w: Mapping[str, float] | None) -> ServingMetrics:
+              power_w: Mapping[str, float] | None, draft_tokens: int = 0) -> ServingMetrics:
     """Metrics of one point from the measured requests and the window counters."""
     ttft = requests.first_token_s - requests.arrival_s
     e2e = requests.end_s - requests.arrival_s
@@ -174,4 +181,7 @@ def summarise(*, mapping: str, concurrency: int, chips: int, isl: int, osl: int,
         total_steps=total_steps, simulated_s=simulated_s,
         mean_decode_batch=window.decode_sequence_steps / window.steps if window.steps else math.nan,
         kv_bound_step_share=window.kv_bound_steps / window.steps if window.steps else math.nan,
+        draft_tokens=draft_tokens,
+        tokens_per_decode_step=(window.decode_tokens / window.decode_sequence_steps
+                                if window.decode_sequence_steps else math.nan),
     )

@@ -36,8 +36,17 @@ The semantics, in order of a request's life:
   decode-only and known exactly; they are taken as one stretch, priced by the model's optional
   ``decode_stretch_times_s`` or step by step, with the clock summed in the same order as single
   steps (identical results either way).
-- **Not modelled.** Speculative decoding / MTP (``mtp_accept_tokens`` must be 0: the public
-  benchmarks used single-token prediction), preemption, EOS, prefix caching.
+- **Speculative decoding (MTP).** With a :class:`~jalapeno_emu.serving.speculative.Speculation`
+  of K draft tokens, every decoding sequence runs K + 1 query tokens through each step (the step
+  model prices the drafting and the verification, ``StepWork.decode_query_tokens``) and takes
+  ``decode_query_tokens`` of the step's token budget; its accepted drafts ``a`` (0..K) are drawn
+  per sequence and step from ``numpy.random.default_rng([seed, 1])`` (a stream of its own, so the
+  lengths drawn do not change with MTP), and it emits 1 + a tokens, never beyond its output length.
+  Its context in the step is its KV cache after the verification (prompt, earlier tokens and the
+  K + 1 verified). A stretch of decode-only steps is then taken step by step (how far each
+  sequence gets is drawn). The K rejected-draft entries a step writes past a sequence's tokens are
+  not reserved (at most K per sequence).
+- **Not modelled.** Preemption, EOS, prefix caching.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import numpy as np
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.serving.limits import MAX_CONCURRENCY, MAX_REQUESTS, MAX_SEQUENCE_TOKENS
 from jalapeno_emu.serving.metrics import RequestTimes, ServingMetrics, WindowCounters, check_power, summarise
+from jalapeno_emu.serving.speculative import Speculation
 from jalapeno_emu.serving.step_model import StepTimeModel, StepWork, SupportsDecodeStretch
 
 __all__ = ["DEFAULT_RANGE_RATIO", "MAX_DEFAULT_REQUESTS", "default_requests", "length_bounds", "simulate"]
@@ -103,9 +113,11 @@ class _Counters:
     tokens: int = 0
     decode_sequence_steps: int = 0
     kv_bound_steps: int = 0
+    decode_tokens: int = 0  # output tokens the decode sequence-steps emitted
 
     def snapshot(self) -> _Counters:
-        return _Counters(self.t_s, self.steps, self.tokens, self.decode_sequence_steps, self.kv_bound_steps)
+        return _Counters(self.t_s, self.steps, self.tokens, self.decode_sequence_steps, self.kv_bound_steps,
+                         self.decode_tokens)
 
 
 @dataclass
@@ -134,12 +146,16 @@ class _Completed:
 class _Engine:
     """The batching state machine: one slot per concurrent request, state in int64/float64 arrays."""
 
-    def __init__(self, model: StepTimeModel, concurrency: int, lengths: _Lengths) -> None:
+    def __init__(self, model: StepTimeModel, concurrency: int, lengths: _Lengths,
+                 speculation: Speculation | None = None, seed: int = 0) -> None:
         self.model = model
         self.lengths = lengths
         self.budget_tokens = int(model.max_batch_tokens)
         self.capacity_tokens = int(model.kv_capacity_tokens)
         self.stretch = isinstance(model, SupportsDecodeStretch)
+        self.speculation = speculation
+        self.query_tokens = 1 if speculation is None else speculation.query_tokens
+        self.accept_rng = np.random.default_rng([seed, 1]) if speculation is not None else None
         n = concurrency
         self.req_id = np.zeros(n, np.int64)
         self.arrival_s = np.zeros(n, np.float64)
@@ -183,26 +199,36 @@ class _Engine:
         issued at its end (the next id when none completed)."""
         decoding = np.flatnonzero(self.prefilled == self.isl)
         blocked = self._head_blocked()
-        if (not self.pending or blocked) and decoding.size:
+        if (not self.pending or blocked) and decoding.size and self.speculation is None:
             self._decode_stretch(decoding, blocked)
         else:
             self._mixed_step(decoding)
         return self._complete()
 
     def _mixed_step(self, decoding: np.ndarray) -> None:
-        chunks, kv_bound = self._plan_prefill(self.budget_tokens - decoding.size)
-        contexts = self.isl[decoding] + self.generated[decoding]
-        work = StepWork(tuple(contexts.tolist()), tuple((new, done) for _, new, done in chunks))
+        q = self.query_tokens
+        chunks, kv_bound = self._plan_prefill(self.budget_tokens - decoding.size * q)
+        contexts = self.isl[decoding] + self.generated[decoding] + (q - 1)
+        work = StepWork(tuple(contexts.tolist()), tuple((new, done) for _, new, done in chunks), q)
         if work.batch_tokens == 0:
             raise RuntimeError("serving simulator: a step with no work (internal error)")
         dt = _checked_time(self.model, self.model.step_time_s(work), work)
         c = self.counters
         c.t_s += dt
-        self.generated[decoding] += 1
+        if self.speculation is None:
+            emitted = decoding.size
+            self.generated[decoding] += 1
+        else:
+            assert self.accept_rng is not None
+            accepted = self.speculation.draw(self.accept_rng, decoding.size)
+            gained = np.minimum(1 + accepted, self.osl[decoding] - self.generated[decoding])
+            emitted = int(gained.sum())
+            self.generated[decoding] += gained
         firsts = self._advance_prefill(chunks, c.t_s)
         c.steps += 1
-        c.tokens += work.prefill_tokens + decoding.size + firsts
+        c.tokens += work.prefill_tokens + emitted + firsts
         c.decode_sequence_steps += decoding.size
+        c.decode_tokens += emitted
         c.kv_bound_steps += kv_bound
 
     def _plan_prefill(self, budget_tokens: int) -> tuple[list[tuple[int, int, int]], bool]:
@@ -249,6 +275,7 @@ class _Engine:
         c.steps += steps
         c.tokens += steps * decoding.size
         c.decode_sequence_steps += steps * decoding.size
+        c.decode_tokens += steps * decoding.size
         c.kv_bound_steps += steps * kv_bound
 
     def _stretch_times(self, contexts: np.ndarray, steps: int) -> np.ndarray:
@@ -321,17 +348,21 @@ def _check_model(model: StepTimeModel) -> None:
 
 
 def _check_workload(model: StepTimeModel, isl: int, osl: int, concurrency: int, ratio: float,
-                    mtp_accept_tokens: float) -> None:
+                    mtp_accept_tokens: float, speculation: Speculation | None) -> None:
     if not (isinstance(ratio, int | float) and 0 < ratio <= 1):
         raise InvalidArgumentError(f"range_ratio must be in (0, 1]; got {ratio!r}")
     if mtp_accept_tokens != 0:
         raise InvalidArgumentError(
-            f"mtp_accept_tokens={mtp_accept_tokens!r}: speculative decoding / MTP is not modelled "
-            "(the step model would need the draft tokens per sequence); use 0, single-token prediction")
-    if concurrency > model.max_batch_tokens:
+            f"mtp_accept_tokens={mtp_accept_tokens!r}: give speculative decoding as speculation= "
+            "(jalapeno_emu.serving.speculative.speculation(K, acceptance)); 0 means single-token prediction")
+    if speculation is not None and not isinstance(speculation, Speculation):
+        raise InvalidArgumentError(f"speculation {speculation!r} is not a Speculation (serving.speculative)")
+    q = 1 if speculation is None else speculation.query_tokens
+    if concurrency * q > model.max_batch_tokens:
+        per = f" x {q} tokens per decoding sequence" if q > 1 else ""
         raise InvalidArgumentError(
-            f"concurrency {concurrency} exceeds model {model.name!r} max_batch_tokens "
-            f"{model.max_batch_tokens}: every decoding sequence needs one token of the step budget")
+            f"concurrency {concurrency}{per} exceeds model {model.name!r} max_batch_tokens "
+            f"{model.max_batch_tokens}: every decoding sequence needs its tokens of the step budget")
     if isl + osl > model.kv_capacity_tokens:
         raise InvalidArgumentError(
             f"isl {isl} + osl {osl} = {isl + osl} tokens: the longest request can never fit in model "
@@ -340,7 +371,8 @@ def _check_workload(model: StepTimeModel, isl: int, osl: int, concurrency: int, 
 
 def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requests: int | None = None,
              warmup_requests: int | None = None, seed: int = 0, range_ratio: float = DEFAULT_RANGE_RATIO,
-             power_w: dict[str, float] | None = None, mtp_accept_tokens: float = 0.0) -> ServingMetrics:
+             power_w: dict[str, float] | None = None, mtp_accept_tokens: float = 0.0,
+             speculation: Speculation | None = None) -> ServingMetrics:
     """Serve ISL/OSL requests at a fixed concurrency on ``model`` and measure the steady state.
 
     Args:
@@ -357,7 +389,9 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
         range_ratio: the lower bound of the draws as a fraction of the nominal length.
         power_w: watts per chip under "package", "sustained" and "all_in" (e.g.
             :func:`~jalapeno_emu.serving.metrics.power_w_from_spec`); None leaves tok/s per kW empty.
-        mtp_accept_tokens: accepted draft tokens per step; only 0 (single-token prediction) is modelled.
+        mtp_accept_tokens: kept for callers of earlier versions: only 0 (give MTP as ``speculation``).
+        speculation: speculative decoding (MTP): K draft tokens per step and their acceptance
+            (:func:`~jalapeno_emu.serving.speculative.speculation`); None: single-token prediction.
 
     Returns:
         The point's :class:`ServingMetrics` (see the module docstring for the semantics).
@@ -378,9 +412,9 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
                                                                             warmup_requests, 0)
     seed = _positive_int("seed", seed, 0)
     power = check_power(power_w)
-    _check_workload(model, isl, osl, concurrency, range_ratio, mtp_accept_tokens)
+    _check_workload(model, isl, osl, concurrency, range_ratio, mtp_accept_tokens, speculation)
 
-    engine = _Engine(model, concurrency, _Lengths(isl, osl, range_ratio, seed))
+    engine = _Engine(model, concurrency, _Lengths(isl, osl, range_ratio, seed), speculation, seed)
     first_measured, start = (0, engine.counters.snapshot()) if warmup == 0 else (None, None)
     while True:
         first_new_id = engine.step()
@@ -392,10 +426,12 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
     window = WindowCounters(tokens=end.tokens - start.tokens, seconds=end.t_s - start.t_s,
                             steps=end.steps - start.steps,
                             decode_sequence_steps=end.decode_sequence_steps - start.decode_sequence_steps,
-                            kv_bound_steps=end.kv_bound_steps - start.kv_bound_steps)
+                            kv_bound_steps=end.kv_bound_steps - start.kv_bound_steps,
+                            decode_tokens=end.decode_tokens - start.decode_tokens)
     return summarise(mapping=model.name, concurrency=concurrency, chips=int(model.chips), isl=isl, osl=osl,
                      warmup_requests=warmup, requests=engine.completed.select(first_measured, requests),
-                     window=window, total_steps=end.steps, simulated_s=end.t_s, power_w=power)
+                     window=window, total_steps=end.steps, simulated_s=end.t_s, power_w=power,
+                     draft_tokens=0 if speculation is None else speculation.draft_tokens)
 
 
 def _measured_done(engine: _Engine, first_id: int, count: int) -> bool:

@@ -26,6 +26,9 @@ class StepWork:
             cache after the step (its prompt, the tokens it generated before, and the new one).
         prefill_chunks: one ``(new_tokens, cached_tokens)`` pair per prompt prefilled this step:
             prompt tokens processed now, and prompt tokens of the same request already in the cache.
+        decode_query_tokens: tokens each decoding sequence runs through the model this step: 1, or
+            1 + K under speculative decoding (:mod:`jalapeno_emu.serving.speculative`), where the
+            step also drafts the K tokens it verifies (the model prices both).
 
     The summaries below are computed once at construction so that a model can price a step from
     four integers (decode count, sum of contexts, prefill tokens, prior tokens) without walking
@@ -34,6 +37,7 @@ class StepWork:
 
     decode_contexts: tuple[int, ...] = ()
     prefill_chunks: tuple[tuple[int, int], ...] = ()
+    decode_query_tokens: int = 1
     decode_count: int = field(init=False)
     """Sequences decoding this step."""
     decode_context_tokens: int = field(init=False)
@@ -52,8 +56,9 @@ class StepWork:
 
     @property
     def batch_tokens(self) -> int:
-        """Tokens this step processes: one per decoding sequence plus the prefill tokens."""
-        return self.decode_count + self.prefill_tokens
+        """Tokens this step processes: ``decode_query_tokens`` per decoding sequence plus the
+        prefill tokens."""
+        return self.decode_count * self.decode_query_tokens + self.prefill_tokens
 
 
 @runtime_checkable

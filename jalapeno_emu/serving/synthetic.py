@@ -37,8 +37,9 @@ def _check_fields(owner: object, positive: tuple[str, ...], non_negative: tuple[
 
 @dataclass(frozen=True)
 class LinearStepModel:
-    """step time = fixed_s + decode_s_per_sequence x decodes + decode_s_per_context_token x
-    (sum of decode contexts) + prefill_s_per_token x prefill tokens, in seconds."""
+    """step time = fixed_s + decode_s_per_sequence x decodes x query tokens per decode +
+    decode_s_per_context_token x (sum of decode contexts) + prefill_s_per_token x prefill tokens,
+    in seconds."""
 
     name: str
     chips: int
@@ -55,7 +56,7 @@ class LinearStepModel:
 
     def step_time_s(self, work: StepWork) -> float:
         """Seconds for ``work`` (the formula in the class docstring)."""
-        return (self.fixed_s + self.decode_s_per_sequence * work.decode_count
+        return (self.fixed_s + self.decode_s_per_sequence * work.decode_count * work.decode_query_tokens
                 + self.decode_s_per_context_token * work.decode_context_tokens
                 + self.prefill_s_per_token * work.prefill_tokens)
 
@@ -72,7 +73,8 @@ class RooflineStepModel:
     """A roofline per step: overhead_s + max(FLOPs / flops_per_s, bytes / bytes_per_s).
 
     FLOPs = flops_per_token x batch tokens + attention_flops_per_pair x (query, key) pairs, where a
-    decode with context c has c pairs and a prefill chunk of n new tokens after p cached ones has
+    decode with context c has c pairs per query token and a prefill chunk of n new tokens after p
+    cached ones has
     n x p + n (n + 1) / 2. Bytes = weight_bytes (read once per step) + kv_bytes_per_token x (decode
     contexts + cached prompt tokens read + new prompt tokens written). All sizes are for the whole
     deployment (``chips`` chips); rates are the deployment's totals.
@@ -97,7 +99,7 @@ class RooflineStepModel:
 
     def step_time_s(self, work: StepWork) -> float:
         """Seconds for ``work`` (the roofline in the class docstring)."""
-        pairs = work.decode_context_tokens
+        pairs = work.decode_context_tokens * work.decode_query_tokens
         for new, cached in work.prefill_chunks:
             pairs += new * cached + new * (new + 1) // 2
         kv_tokens = work.decode_context_tokens + work.prefill_cached_tokens + work.prefill_tokens

@@ -221,3 +221,27 @@ def test_sweep_refuses_a_mapping_before_simulating(capsys, argv, message):
     assert main(["sweep", *TINY, "--concurrency", "1", *argv, "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_serve_with_mtp_reports_the_acceptance_model_and_what_it_bought(capsys):
+    base = ["serve", *TINY, "--concurrency", "1", "--mapping", "tp=1", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--mtp", "2", "--mtp-acceptance", "0.9,0.8"]) == 0
+    mtp = json.loads(capsys.readouterr().out)
+    assert plain["mtp"] is None and plain["draft_tokens"] == 0 and plain["tokens_per_decode_step"] == 1.0
+    assert mtp["mtp"] == {"draft_tokens": 2, "acceptance": [0.9, 0.8],
+                          "expected_tokens_per_step": pytest.approx(1 + 0.9 + 0.72)}
+    assert mtp["draft_tokens"] == 2 and 1.0 < mtp["tokens_per_decode_step"] <= 3.0
+    assert mtp["interactivity_tok_s_user"] > plain["interactivity_tok_s_user"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mtp", "9"], "--mtp 9: mtp=9: draft tokens per step must be an integer from 0 to 8"),
+    (["--mtp", "1", "--mtp-acceptance", "0.9,0.8"], "2 mtp acceptance values for 1 draft tokens"),
+    (["--mtp", "1", "--mtp-acceptance", "1.5"], "must be a probability in [0, 1]"),
+])
+def test_mtp_errors_are_one_line(capsys, argv, message):
+    assert main(["serve", *TINY, "--concurrency", "1", "--mapping", "tp=1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -98,3 +98,42 @@ def test_models_that_do_not_fit_or_cannot_run_fail_at_construction():
         RackStepModel("gpt-oss-120b", cramped, "tp=8")
     with pytest.raises(InvalidArgumentError, match="max_batch_tokens=0"):
         RackStepModel("tiny-gpt-oss", "jalapeno-v1", "tp=1", max_batch_tokens=0)
+
+
+def test_mtp_tpot_is_the_verification_steps_over_the_tokens_they_emit(tp2):
+    """Speculative decoding at concurrency 1, every draft accepted: each decode step verifies two
+    tokens per sequence and emits both, so TPOT is the sum of the step model's own verification
+    step times over the output tokens after the first; without MTP, the plain steps'."""
+    from jalapeno_emu.serving.speculative import speculation
+
+    isl, osl = 64, 9  # eight tokens after the first: four steps of two
+    kw = dict(isl=isl, osl=osl, concurrency=1, range_ratio=1.0, requests=3)
+    plain = simulate(tp2, **kw)
+    mtp = simulate(tp2, **kw, speculation=speculation(1, 1.0))
+    plain_s = [tp2.step_time_s(StepWork((isl + g,))) for g in range(1, osl)]
+    verify_s = [tp2.step_time_s(StepWork((isl + g + 1,), (), 2)) for g in range(1, osl, 2)]
+    assert plain.tpot_s.median == pytest.approx(sum(plain_s) / (osl - 1), rel=1e-12)
+    assert mtp.tpot_s.median == pytest.approx(sum(verify_s) / (osl - 1), rel=1e-12)
+    # A verification step costs more than a plain one (the draft layer, the second query token)
+    # and less than two of them: what makes MTP pay at low concurrency.
+    assert plain_s[0] < verify_s[0] < 2 * plain_s[0]
+
+
+def test_a_verification_step_prices_the_draft_and_more_query_rows(tp2):
+    from jalapeno_emu.model import load_model_config
+    from jalapeno_emu.rack.slices import decode_attention_launches
+
+    one = StepWork((500, 700))
+    two = StepWork((501, 701), (), 2)
+    three = StepWork((502, 702), (), 3)
+    t1, t2, t3 = (tp2.step_time_s(w) for w in (one, two, three))
+    assert t1 < t2 < t3  # each draft is one more pass of the draft layer and logits
+    assert tp2.exact_step_time_s(two) == pytest.approx(t2, rel=0.05)
+    cfg = load_model_config("tiny-gpt-oss")
+    q1 = {la.label: dict(la.shape) for la in decode_attention_launches(cfg, Mapping(tp=2), 1, 2, 500)}
+    q2 = {la.label: dict(la.shape) for la in decode_attention_launches(cfg, Mapping(tp=2), 1, 2, 500, 2)}
+    # the verification's query tokens ride with the heads of their KV group: the cache is read once
+    assert q2["attention"]["q_heads"] == 2 * q1["attention"]["q_heads"]
+    assert q2["attention"]["kv_heads"] == q1["attention"]["kv_heads"]
+    with pytest.raises(InvalidArgumentError, match="query_tokens=0"):
+        decode_attention_launches(cfg, Mapping(tp=2), 1, 2, 500, 0)

@@ -182,7 +182,8 @@ def test_power_per_kw():
     (dict(isl=250_000), "can never fit"),
     (dict(requests=0), "requests must be"),
     (dict(range_ratio=0.0), "range_ratio"),
-    (dict(mtp_accept_tokens=0.5), "MTP is not modelled"),
+    (dict(mtp_accept_tokens=0.5), "give speculative decoding as speculation="),
+    (dict(speculation=0.85), "is not a Speculation"),
     (dict(power_w={"package": 700}), "power_w must have exactly"),
     (dict(power_w={"package": 700, "sustained": -1, "all_in": 9}), "power_w\\['sustained'\\]"),
 ])

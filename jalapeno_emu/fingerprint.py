@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jalapeno_emu.chip import ChipSpec
 
-__all__ = ["SOURCE_PACKAGES", "code_fingerprint", "spec_fingerprint"]
+__all__ = ["SOURCE_PACKAGES", "TIMING_FREE_FIELDS", "code_fingerprint", "spec_fingerprint"]
 
 SOURCE_PACKAGES = ("kernels", "isa", "emu", "chip", "mx", "model")
 """The packages whose source decides a Program or its timing (model: the fused parts' wiring)."""
@@ -40,6 +40,16 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+TIMING_FREE_FIELDS = ("software.stack",)
+"""Spec fields no device time depends on: the serving stack's host costs are charged by the
+serving simulator after the kernels' and steps' times, so ``--stack`` re-times nothing."""
+
+
 def spec_fingerprint(spec: ChipSpec) -> str:
-    """sha256 (16 hex digits) of every field of ``spec`` (its JSON form)."""
-    return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """sha256 (16 hex digits) of every field of ``spec`` that decides a device time (its JSON
+    form, less :data:`TIMING_FREE_FIELDS`)."""
+    fields = spec.to_dict()
+    for dotted in TIMING_FREE_FIELDS:
+        block, name = dotted.split(".")
+        fields[block] = {k: v for k, v in fields.get(block, {}).items() if k != name}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]

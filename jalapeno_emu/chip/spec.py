@@ -36,6 +36,7 @@ __all__ = [
     "MX_BLOCK",
     "OVERRIDE",
     "PROVENANCE_KINDS",
+    "STACK_NAMES",
     "ChipSpec",
     "CoreSpec",
     "DerivedQuantity",
@@ -56,6 +57,9 @@ __all__ = [
 
 MX_BLOCK = 32
 """Elements sharing one scale in OCP MX; the matrix unit's K-tile must be a multiple of it."""
+
+STACK_NAMES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "dynamo", "jalapeno")
+"""The serving stacks a preset may name (``jalapeno_emu.serving.stack`` holds their costs)."""
 
 ProvenanceKind = Literal["public", "assumed", "derived"]
 PROVENANCE_KINDS: tuple[str, ...] = ("public", "assumed", "derived")
@@ -93,6 +97,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "power_of_two": (lambda v: v > 0 and v & (v - 1) == 0, "a positive power of two"),
     "fusion_level": (lambda v: v in ("none", "layer", "step"), "one of none, layer, step"),
+    "stack_name": (lambda v: v in STACK_NAMES, f"one of {', '.join(STACK_NAMES)}"),
 }
 
 
@@ -353,14 +358,16 @@ class PowerSpec(_Block):
 
 @dataclass(frozen=True, kw_only=True)
 class SoftwareSpec(_Block):
-    """The software the chip runs with, as far as it changes time on the die: how kernel launches
-    are joined into programs (``none``: one program per kernel launch, each paying
-    ``sync.kernel_launch_s``; ``layer``: one per decoder layer; ``step``: one persistent program
-    per forward step; see ``jalapeno_emu.model.fused``)."""
+    """The software the chip runs with: how kernel launches are joined into programs (``none``: one
+    program per kernel launch, each paying ``sync.kernel_launch_s``; ``layer``: one per decoder
+    layer; ``step``: one persistent program per forward step; see ``jalapeno_emu.model.fused``),
+    and the serving stack around them (``jalapeno_emu.serving.stack``: the host's costs per step
+    and per request)."""
 
     PATH: ClassVar[str] = "software"
     fusion: str = _param("", "default fusion of kernel launches into programs: none, layer or step",
                          "fusion_level")
+    stack: str = _param("", f"default serving stack: {', '.join(STACK_NAMES)}", "stack_name")
 
 
 @dataclass(frozen=True)

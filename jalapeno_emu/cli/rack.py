@@ -20,6 +20,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from jalapeno_emu.chip.spec import STACK_NAMES
 from jalapeno_emu.cli.app import Abort, App, add_executor_options, output_file
 from jalapeno_emu.errors import EmuError
 from jalapeno_emu.files import all_or_nothing, check_output_paths
@@ -62,6 +63,10 @@ def _workload(p: argparse.ArgumentParser) -> None:
         "(one persistent program per step); default: each preset's software.fusion",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--stack", type=str.lower, choices=STACK_NAMES, default=None,
+                   help="serving stack whose host costs (per step, per request) the simulator charges: "
+                   f"{', '.join(STACK_NAMES)}; default: each preset's software.stack "
+                   "(jalapeno-emu stack show NAME lists them)")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
                    help="speculative decoding with multi-token prediction: K draft tokens per step, verified "
                    "in one pass of K + 1 tokens per sequence (default 0: single-token prediction)")
@@ -211,12 +216,19 @@ def _cache(args: argparse.Namespace) -> bool:
     return not args.no_cache
 
 
+def _software(args: argparse.Namespace) -> dict[str, str] | None:
+    """The ``software`` fields ``--fusion`` and ``--stack`` set on every preset (None: neither)."""
+    out = {f"software.{key}": getattr(args, key) for key in ("fusion", "stack") if getattr(args, key, None)}
+    return out or None
+
+
 def _spec(args: argparse.Namespace, preset: str) -> Any:
-    """The preset, with ``--fusion`` (when given) as its software's fusion level."""
+    """The preset, with ``--fusion`` and ``--stack`` (when given) as its software's."""
     from jalapeno_emu.chip import load_preset
 
     spec = load_preset(preset)
-    return spec.replace(**{"software.fusion": args.fusion}) if args.fusion else spec
+    changes = _software(args)
+    return spec.replace(**changes) if changes else spec
 
 
 def _row(d: dict[str, Any]) -> list[str]:
@@ -489,7 +501,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
             finalists=args.finalists,
             max_batch_tokens=args.max_batch_tokens,
             disk_cache=_cache(args),
-            spec_overrides={"software.fusion": args.fusion} if args.fusion else None,
+            spec_overrides=_software(args),
             executor=ex,
             speculation=spec_decode,
             on_preset=lambda preset, error: app.status(
@@ -550,7 +562,7 @@ def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str
         results, errors = compare_frontiers(
             args.model, presets, args.isl, args.osl, concs, routing=args.routing, finalists=args.finalists,
             max_batch_tokens=args.max_batch_tokens, disk_cache=_cache(args),
-            spec_overrides={"software.fusion": args.fusion} if args.fusion else None, executor=ex,
+            spec_overrides=_software(args), executor=ex,
             speculation=spec_decode, on_plan=planned,
             on_point=lambda preset, _p: progress.advance(tasks[preset]))
     ref = presets[0]

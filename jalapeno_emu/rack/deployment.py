@@ -88,7 +88,8 @@ class Prediction:
         ``tpot_s``, ``e2e_s`` medians, ``throughput_tok_s_per_chip``, ``tok_s_per_kw`` {package,
         sustained, all_in}, ``mapping``, ``chips``, ...) plus model, preset, objective, routing,
         ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens``, ``fusion`` (how the chips'
-        launches join into programs), ``mtp`` (speculative decoding: draft tokens, acceptance,
+        launches join into programs), ``stack`` (the serving stack whose host costs the simulator
+        charged), ``mtp`` (speculative decoding: draft tokens, acceptance,
         expected tokens per step; None without) and the finalists."""
         out = self.metrics.as_dict()
         out.update(
@@ -102,6 +103,7 @@ class Prediction:
             kv_capacity_tokens=self.step_model.kv_capacity_tokens,
             max_batch_tokens=self.step_model.max_batch_tokens,
             fusion=self.step_model.fusion,
+            stack=self.step_model.stack.name,
             mtp=None if self.speculation is None else self.speculation.as_dict(),
             screened=self.screened,
             finalists=[
@@ -253,7 +255,7 @@ def predict(
         disk_cache=disk_cache,
     )
     metrics = simulate(model, isl=isl, osl=osl, concurrency=concurrency, requests=requests, seed=seed,
-                       power_w=model.power_w, speculation=speculation)
+                       power_w=model.power_w, speculation=speculation, stack=model.stack)
     return Prediction(cfg.name, spec.name, isl, osl, concurrency, None, routing, mapping, metrics, model,
                       speculation=speculation)
 
@@ -381,7 +383,7 @@ def _mapping_points(
     points = []
     for c in concurrencies:
         metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w,
-                           speculation=speculation)
+                           speculation=speculation, stack=model.stack)
         points.append(SweepPoint(mapping.name, spec.name, c, metrics))
         if on_point is not None:
             on_point(points[-1])

@@ -448,6 +448,7 @@ def best_mapping(
             seed=seed,
             power_w=model.power_w,
             speculation=speculation,
+            stack=model.stack,
         )
         results.append((p.mapping, metrics, model))
     results.sort(key=lambda r: -metric_value(r[1], objective))

@@ -109,6 +109,7 @@ from jalapeno_emu.rack.slices import (
 )
 from jalapeno_emu.serving.limits import MAX_BATCH_TOKENS
 from jalapeno_emu.serving.metrics import power_w_from_spec
+from jalapeno_emu.serving.stack import load_stack
 from jalapeno_emu.serving.step_model import StepWork
 
 __all__ = ["CONTEXT_GRID", "DEFAULT_BATCH_TOKENS", "PRIOR_GRID", "RackStepModel"]
@@ -152,7 +153,8 @@ class RackStepModel:
 
     Attributes (the serving protocol): ``name``, ``chips``, ``kv_capacity_tokens``,
     ``max_batch_tokens``, ``series`` (the preset), ``power_w`` (package, sustained, all-in watts
-    per chip); also ``cfg``, ``spec``, ``mapping``, ``routing``, ``memory`` (:class:`ChipMemory`).
+    per chip), ``stack`` (the preset's serving stack, :mod:`jalapeno_emu.serving.stack`); also
+    ``cfg``, ``spec``, ``mapping``, ``routing``, ``memory`` (:class:`ChipMemory`).
 
     Raises:
         InvalidArgumentError: a mapping the model or the domain cannot take.
@@ -199,6 +201,7 @@ class RackStepModel:
         self.group_batch_tokens = max_batch_tokens
         self.max_batch_tokens = max_batch_tokens * self.mapping.dp
         self.power_w = power_w_from_spec(self.spec)
+        self.stack = load_stack(self.spec.software.stack)  # the host's costs, charged by the simulator
         self.timer = timer or shared_timer(self.spec, disk_cache=disk_cache)
         self.fusion = self.spec.software.fusion
         self.fusion_fallbacks = 0  # parts that could not be fused (a kernel without an emitter)

@@ -46,6 +46,13 @@ The semantics, in order of a request's life:
   K + 1 verified). A stretch of decode-only steps is then taken step by step (how far each
   sequence gets is drawn). The K rejected-draft entries a step writes past a sequence's tokens are
   not reserved (at most K per sequence).
+- **The serving stack** (``stack``, :mod:`jalapeno_emu.serving.stack`): a request can be scheduled
+  ``request_in_s(isl)`` after it arrives (HTTP, tokenizing); a step's time is the stack's
+  ``step_s`` of the model's device time (host work per step, hidden behind the device as far as
+  the stack overlaps them); a token reaches the client ``response_s`` after its step, which TTFT
+  and E2E include and after which a closed-loop client sends its next request. When nothing can
+  run until the oldest request is ready, the clock moves to that instant. Without a stack,
+  everything host-side is free (the device's steps alone).
 - **Not modelled.** Preemption, EOS, prefix caching.
 """
 
@@ -61,6 +68,7 @@ from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.serving.limits import MAX_CONCURRENCY, MAX_REQUESTS, MAX_SEQUENCE_TOKENS
 from jalapeno_emu.serving.metrics import RequestTimes, ServingMetrics, WindowCounters, check_power, summarise
 from jalapeno_emu.serving.speculative import Speculation
+from jalapeno_emu.serving.stack import StackProfile
 from jalapeno_emu.serving.step_model import StepTimeModel, StepWork, SupportsDecodeStretch
 
 __all__ = ["DEFAULT_RANGE_RATIO", "MAX_DEFAULT_REQUESTS", "default_requests", "length_bounds", "simulate"]
@@ -147,7 +155,8 @@ class _Engine:
     """The batching state machine: one slot per concurrent request, state in int64/float64 arrays."""
 
     def __init__(self, model: StepTimeModel, concurrency: int, lengths: _Lengths,
-                 speculation: Speculation | None = None, seed: int = 0) -> None:
+                 speculation: Speculation | None = None, seed: int = 0,
+                 stack: StackProfile | None = None) -> None:
         self.model = model
         self.lengths = lengths
         self.budget_tokens = int(model.max_batch_tokens)
@@ -156,6 +165,9 @@ class _Engine:
         self.speculation = speculation
         self.query_tokens = 1 if speculation is None else speculation.query_tokens
         self.accept_rng = np.random.default_rng([seed, 1]) if speculation is not None else None
+        self.stack = stack
+        self.response_s = 0.0 if stack is None else stack.response_s
+        self.ready_s = np.zeros(concurrency, np.float64)  # when a request can first be scheduled
         n = concurrency
         self.req_id = np.zeros(n, np.int64)
         self.arrival_s = np.zeros(n, np.float64)
@@ -179,6 +191,7 @@ class _Engine:
         self.req_id[slot] = self.next_id
         self.next_id += 1
         self.arrival_s[slot] = t_s
+        self.ready_s[slot] = t_s if self.stack is None else t_s + self.stack.request_in_s(isl)
         self.isl[slot] = isl
         self.osl[slot] = osl
         self.prefilled[slot] = 0
@@ -198,6 +211,9 @@ class _Engine:
         """Advance one step, or one exact stretch of decode-only steps; returns the first request id
         issued at its end (the next id when none completed)."""
         decoding = np.flatnonzero(self.prefilled == self.isl)
+        if not decoding.size and self.pending and self.ready_s[self.pending[0]] > self.counters.t_s:
+            # nothing to run until the oldest request has been received and tokenized
+            self.counters.t_s = float(self.ready_s[self.pending[0]])
         blocked = self._head_blocked()
         if (not self.pending or blocked) and decoding.size and self.speculation is None:
             self._decode_stretch(decoding, blocked)
@@ -213,6 +229,8 @@ class _Engine:
         if work.batch_tokens == 0:
             raise RuntimeError("serving simulator: a step with no work (internal error)")
         dt = _checked_time(self.model, self.model.step_time_s(work), work)
+        if self.stack is not None:
+            dt = self.stack.step_s(dt, decoding.size + len(chunks))
         c = self.counters
         c.t_s += dt
         if self.speculation is None:
@@ -235,8 +253,9 @@ class _Engine:
         """(slot, new tokens, cached tokens) chunks, oldest prompt first, admitting as it goes;
         and whether admission stopped on KV capacity."""
         chunks: list[tuple[int, int, int]] = []
+        now = self.counters.t_s
         for slot in self.pending:
-            if budget_tokens == 0:
+            if budget_tokens == 0 or self.ready_s[slot] > now:  # oldest first: a later one waits too
                 break
             if not self.admitted[slot]:
                 need = int(self.isl[slot] + self.osl[slot])
@@ -257,7 +276,7 @@ class _Engine:
             self.prefilled[slot] = done + new
             if done + new == self.isl[slot]:
                 self.generated[slot] = 1
-                self.first_token_s[slot] = t_s
+                self.first_token_s[slot] = t_s + self.response_s  # when the client has it
                 firsts += 1
                 # chunks go oldest first, so a finished prompt is always the head of the queue
                 self.pending.popleft()
@@ -285,12 +304,12 @@ class _Engine:
                 raise InvalidArgumentError(
                     f"step model {self.model.name!r}: decode_stretch_times_s(contexts of "
                     f"{contexts.size} sequences, steps={steps}) must return {steps} finite times > 0")
-            return times
+            return times if self.stack is None else self.stack.step_s(times, contexts.size)
         times = np.empty(steps, np.float64)
         for j in range(steps):
             work = StepWork(tuple((contexts + j).tolist()))
             times[j] = _checked_time(self.model, self.model.step_time_s(work), work)
-        return times
+        return times if self.stack is None else self.stack.step_s(times, contexts.size)
 
     def _complete(self) -> int:
         """Record sequences that produced their last token and replace them at once."""
@@ -299,7 +318,7 @@ class _Engine:
         if done.size == 0:
             return first_new_id
         done = done[np.argsort(self.req_id[done], kind="stable")]  # replaced oldest first
-        t_s = self.counters.t_s
+        t_s = self.counters.t_s + self.response_s  # the client has its last token, and sends the next
         rec = self.completed
         rec.ids.append(self.req_id[done].copy())
         rec.arrival_s.append(self.arrival_s[done].copy())
@@ -372,7 +391,7 @@ def _check_workload(model: StepTimeModel, isl: int, osl: int, concurrency: int, 
 def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requests: int | None = None,
              warmup_requests: int | None = None, seed: int = 0, range_ratio: float = DEFAULT_RANGE_RATIO,
              power_w: dict[str, float] | None = None, mtp_accept_tokens: float = 0.0,
-             speculation: Speculation | None = None) -> ServingMetrics:
+             speculation: Speculation | None = None, stack: StackProfile | None = None) -> ServingMetrics:
     """Serve ISL/OSL requests at a fixed concurrency on ``model`` and measure the steady state.
 
     Args:
@@ -392,6 +411,8 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
         mtp_accept_tokens: kept for callers of earlier versions: only 0 (give MTP as ``speculation``).
         speculation: speculative decoding (MTP): K draft tokens per step and their acceptance
             (:func:`~jalapeno_emu.serving.speculative.speculation`); None: single-token prediction.
+        stack: the serving stack's host costs per step and per request
+            (:class:`~jalapeno_emu.serving.stack.StackProfile`); None: the device's steps alone.
 
     Returns:
         The point's :class:`ServingMetrics` (see the module docstring for the semantics).
@@ -414,7 +435,9 @@ def simulate(model: StepTimeModel, *, isl: int, osl: int, concurrency: int, requ
     power = check_power(power_w)
     _check_workload(model, isl, osl, concurrency, range_ratio, mtp_accept_tokens, speculation)
 
-    engine = _Engine(model, concurrency, _Lengths(isl, osl, range_ratio, seed), speculation, seed)
+    if stack is not None and not isinstance(stack, StackProfile):
+        raise InvalidArgumentError(f"stack {stack!r} is not a StackProfile (serving.stack.load_stack)")
+    engine = _Engine(model, concurrency, _Lengths(isl, osl, range_ratio, seed), speculation, seed, stack)
     first_measured, start = (0, engine.counters.snapshot()) if warmup == 0 else (None, None)
     while True:
         first_new_id = engine.step()

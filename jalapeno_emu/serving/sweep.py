@@ -53,6 +53,8 @@ def _series(model: StepTimeModel) -> str:
 def _run_point(model: StepTimeModel, concurrency: int, kwargs: dict[str, Any]) -> SweepPoint:
     if kwargs.get("power_w") is None:
         kwargs = {**kwargs, "power_w": getattr(model, "power_w", None)}
+    if kwargs.get("stack") is None:
+        kwargs = {**kwargs, "stack": getattr(model, "stack", None)}
     metrics = simulate(model, concurrency=concurrency, **kwargs)
     return SweepPoint(model.name, _series(model), concurrency, metrics)
 

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.serving.stack import stack_for_framework
 from jalapeno_emu.validation.points import MeasuredPoint
 
 __all__ = ["CLASSES", "RowPlan", "model_config", "plan_row"]
@@ -51,6 +52,10 @@ class RowPlan:
         reasons: why it is not ``fit`` (empty for fit rows).
         hardware_note: the row's own caveat on the hardware ("" when none).
         format_note: how the precision maps to the kernels' formats.
+        stack: the serving stack its framework names (None: the preset's own, the framework
+            naming none of them).
+        mtp_tokens: draft tokens per step it is predicted with (the data says MTP is on, not how
+            many: 1, at the default acceptance; 0 when off or unknown).
     """
 
     point: MeasuredPoint
@@ -63,6 +68,8 @@ class RowPlan:
     reasons: tuple[str, ...]
     hardware_note: str
     format_note: str
+    stack: str | None = None
+    mtp_tokens: int = 0
 
 
 def _preset(hardware: str) -> tuple[str | None, str]:
@@ -115,13 +122,15 @@ def plan_row(point: MeasuredPoint) -> RowPlan:
     if "disagg" in point.framework.lower():
         soft.append("disaggregated serving (prefill and decode on separate nodes): predicted as one "
                     "aggregated 8-GPU domain")
-    if point.mtp.lower().startswith("on"):
-        soft.append("multi-token prediction on (not modelled)")
+    mtp_on = point.mtp.lower().startswith("on")
+    if mtp_on:
+        soft.append("multi-token prediction on, its draft tokens and acceptance not in the data: predicted "
+                    "with 1 draft token at the default acceptance")
     if not expressible:
         soft.append(fmt_note)
     cls = "not-predicted" if blocking else "predicted-only" if soft else "fit"
     return RowPlan(point, preset, model, expert_fmt, weight_fmt, mapping, cls, tuple(blocking + soft),
-                   hw_note, fmt_note)
+                   hw_note, fmt_note, stack_for_framework(point.framework), 1 if mtp_on else 0)
 
 
 def model_config(plan: RowPlan) -> ModelConfig:

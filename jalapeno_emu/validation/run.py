@@ -37,6 +37,7 @@ from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.parallel import ordered_map
 from jalapeno_emu.rack.deployment import predict
 from jalapeno_emu.rack.launch_timer import install_timer
+from jalapeno_emu.serving.speculative import speculation
 from jalapeno_emu.validation.calibrate import fit_setting, leave_one_out, mape, relative_errors
 from jalapeno_emu.validation.points import METRICS, load_points
 from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, knob_spec, setting_timers
@@ -84,8 +85,10 @@ def _predict_row(plan: RowPlan, spec: ChipSpec, mapping: str | None = None) -> t
     # Without a stated mapping, every GPU count of the node is searched (1 to 8 on the HGX and
     # MI300-series presets, whose scale-up domain is the node): an InferenceX point is the best
     # throughput per GPU at its concurrency, often on fewer than all eight GPUs.
+    if plan.stack is not None and plan.stack != spec.software.stack:
+        spec = spec.replace(**{"software.stack": plan.stack})
     pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=mapping or plan.mapping,
-                   objective="throughput", disk_cache=True)
+                   objective="throughput", disk_cache=True, speculation=speculation(plan.mtp_tokens))
     d = pred.as_dict()
     vals = [d[METRICS[c]] for c in _COLS]
     return pred.mapping.name, np.array([math.nan if v is None else float(v) for v in vals])
@@ -330,6 +333,7 @@ def _record(i, plan, cls, reasons, mapping, P, measured, ids, calibrated, summar
         "osl": p.osl, "concurrency": p.concurrency, "framework": p.framework, "mtp": p.mtp,
         "preset": plan.preset, "config": plan.model, "expert_weight_fmt": plan.expert_weight_fmt,
         "weight_fmt": plan.weight_fmt, "stated_mapping": plan.mapping, "mapping": mapping, "class": cls,
+        "stack": plan.stack, "mtp_tokens": plan.mtp_tokens,
         "reasons": reasons, "hardware_note": plan.hardware_note, "format_note": plan.format_note,
         "measured": _metric_dict(measured[i]),
     }

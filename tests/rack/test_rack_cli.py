@@ -168,29 +168,42 @@ def test_serve_shows_the_kernel_programs_built_while_it_runs():
 
 def test_compare_at_an_interactivity_and_at_the_peak_reads_each_frontier(capsys):
     argv = ["compare", *TINY, "--presets", "jalapeno-v1,h200", "--concurrency", "1,4,16", "--finalists", "1",
-            "--interactivity", "7000", "--peak", "--power", "all-in", "--json", "--workers", "1"]
-    assert main(argv) == 0
+            "--power", "all-in", "--json", "--workers", "1"]
+    assert main([*argv, "--peak"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    front = first["frontiers"]["jalapeno-v1"]
+    assert len(front) >= 2
+    x = (front[0]["interactivity_tok_s_user"] + front[1]["interactivity_tok_s_user"]) / 2
+    assert main([*argv, "--interactivity", str(x), "--peak"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["power"] == "all_in" and doc["concurrencies"] == [1, 4, 16] and not doc["errors"]
+    assert doc["frontiers"] == first["frontiers"]
     row = doc["interactivity"][0]
     for preset in ("jalapeno-v1", "h200"):
         front = doc["frontiers"][preset]
         xs = [p["interactivity_tok_s_user"] for p in front]
         assert xs == sorted(xs) and {p["concurrency"] for p in front} <= {1, 4, 16}
         got = row[preset]
-        lo, hi = got["from"]  # 7000 tok/s/user lies between two simulated points of each frontier
-        assert lo["interactivity_tok_s_user"] < 7000 <= hi["interactivity_tok_s_user"]
-        x0, x1 = lo["interactivity_tok_s_user"], hi["interactivity_tok_s_user"]
-        share = (7000 - x0) / (x1 - x0)
-        for key in ("throughput_tok_s_per_chip", "tok_s_per_kw"):
-            assert got[key] == pytest.approx(lo[key] + share * (hi[key] - lo[key]))
+        if len(got["from"]) == 2:  # x lies between two simulated points: linear between them
+            lo, hi = got["from"]
+            x0, x1 = lo["interactivity_tok_s_user"], hi["interactivity_tok_s_user"]
+            assert x0 < x <= x1
+            share = (x - x0) / (x1 - x0)
+            for key in ("throughput_tok_s_per_chip", "tok_s_per_kw"):
+                assert got[key] == pytest.approx(lo[key] + share * (hi[key] - lo[key]))
+        elif x <= xs[0]:  # every point is fast enough: the peak
+            assert got["throughput_tok_s_per_chip"] == front[0]["throughput_tok_s_per_chip"]
+        else:  # no point is fast enough
+            assert got["throughput_tok_s_per_chip"] is None and "no point reaches" in got["reason"]
         peak = doc["peak"][preset]
         assert peak["throughput_tok_s_per_chip"] == max(p["throughput_tok_s_per_chip"] for p in front)
         key = (peak["concurrency"], peak["mapping"])
         at = next(p for p in front if (p["concurrency"], p["mapping"]) == key)
         assert peak["tok_s_per_kw"] == pytest.approx(at["tok_s_per_kw"]["all_in"])
-    assert row["ratios"]["h200"]["tok_s_per_kw"] == pytest.approx(
-        row["jalapeno-v1"]["tok_s_per_kw"] / row["h200"]["tok_s_per_kw"])
+    assert len(row["jalapeno-v1"]["from"]) == 2
+    if row["h200"]["tok_s_per_kw"] is not None:
+        assert row["ratios"]["h200"]["tok_s_per_kw"] == pytest.approx(
+            row["jalapeno-v1"]["tok_s_per_kw"] / row["h200"]["tok_s_per_kw"])
 
 
 @pytest.mark.parametrize("argv, message", [

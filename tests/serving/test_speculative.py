@@ -99,5 +99,5 @@ def test_the_lengths_drawn_do_not_depend_on_mtp():
 
 
 def test_mtp_needs_its_query_tokens_in_the_step_budget():
-    with pytest.raises(InvalidArgumentError, match="concurrency 100 x 3 tokens per decoding sequence exceeds"):
+    with pytest.raises(InvalidArgumentError, match="concurrency 100 x 3 tokens per decoding sequence"):
         simulate(_linear(), isl=64, osl=8, concurrency=100, speculation=speculation(2))

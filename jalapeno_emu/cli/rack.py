@@ -75,7 +75,7 @@ def _workload(p: argparse.ArgumentParser) -> None:
                    "(comma-separated, e.g. 0.9,0.8; default 0.85, DeepSeek-V3's reported low end)")
 
 
-def _speculation(args: argparse.Namespace) -> Any:
+def speculation_from_args(args: argparse.Namespace) -> Any:
     """The run's :class:`~jalapeno_emu.serving.speculative.Speculation` from ``--mtp`` and
     ``--mtp-acceptance`` (None: single-token prediction); a bad value is one line."""
     from jalapeno_emu.errors import InvalidArgumentError
@@ -301,7 +301,7 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.rack.launch_timer import launch_executor, shared_timer
 
     # Arguments beyond their limits are refused before the status line, not after it.
-    spec_decode = _speculation(args)
+    spec_decode = speculation_from_args(args)
     cfg = load_model_config(args.model)
     check_workload(cfg, args.isl, args.osl, [args.concurrency], requests=args.requests,
                    max_batch_tokens=args.max_batch_tokens)
@@ -387,7 +387,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
     from jalapeno_emu.serving import pareto_front, plot_pareto, write_points_csv
 
     concs = _ints(args.concurrency, "--concurrency")
-    spec_decode = _speculation(args)
+    spec_decode = speculation_from_args(args)
     # Every output checked before the sweep (which can take an hour), not after it.
     png, svg = _plot_paths(args.plot) if args.plot else (None, None)
     check_output_paths({"--csv": args.csv, "--plot": png or svg,
@@ -478,7 +478,7 @@ def run_compare(app: App, args: argparse.Namespace) -> int:
     xs = _floats(args.interactivity, "--interactivity") if args.interactivity else []
     default = _DEFAULT_CONCURRENCIES if frontier else "1,64,1024"
     concs = _ints(args.concurrency or default, "--concurrency")
-    spec_decode = _speculation(args)
+    spec_decode = speculation_from_args(args)
     for preset in presets:
         # A preset that does not load (a typo, a bad TOML) is the user's to fix before anything
         # runs: one line now, not a status line, a table and a JSON "errors" entry later.

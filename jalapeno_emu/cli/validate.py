@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", help="CSV data rows to use, e.g. 1-12,17 (default: all)")
     p.add_argument("--no-calibrate", action="store_true", help="predict at the presets' own values only")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--mtp", type=int, default=1, metavar="K",
+                   help="draft tokens per step the rows measured with MTP on are predicted with (the data "
+                   "does not say; default 1)")
+    p.add_argument("--mtp-acceptance", metavar="P", default=None,
+                   help="their conditional acceptance per draft position (default 0.85)")
     add_executor_options(p)
     p.set_defaults(run=run_validate)
 
@@ -109,11 +114,13 @@ def run_validate(app: App, args: argparse.Namespace) -> int:
     """Predict, calibrate, report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from jalapeno_emu.cli.rack import speculation_from_args
     from jalapeno_emu.parallel import executor
     from jalapeno_emu.validation.points import load_points
     from jalapeno_emu.validation.run import parse_rows, run_validation
 
     rows = parse_rows(args.rows, len(load_points())) if args.rows is not None else None
+    mtp = speculation_from_args(args)  # 0: rows measured with MTP on are predicted without it
     progress = Progress(TextColumn("validate {task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=app.err_console, transient=True, disable=app.json_output)
     with executor(args.workers, args.scheduler) as ex, progress:
@@ -124,6 +131,7 @@ def run_validate(app: App, args: argparse.Namespace) -> int:
             on_plan=lambda n: progress.update(task, total=n),
             progress=lambda label: progress.update(task, advance=1, description=label),
             executor=ex,
+            mtp=mtp,
         )
     doc = _clean(doc)
     if app.json_output:

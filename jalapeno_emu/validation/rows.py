@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 
 from jalapeno_emu.model.config import ModelConfig, load_model_config
+from jalapeno_emu.serving.speculative import Speculation, speculation
 from jalapeno_emu.serving.stack import stack_for_framework
 from jalapeno_emu.validation.points import MeasuredPoint
 
@@ -54,8 +55,9 @@ class RowPlan:
         format_note: how the precision maps to the kernels' formats.
         stack: the serving stack its framework names (None: the preset's own, the framework
             naming none of them).
-        mtp_tokens: draft tokens per step it is predicted with (the data says MTP is on, not how
-            many: 1, at the default acceptance; 0 when off or unknown).
+        speculation: the MTP it is predicted with where the data says MTP was on (not how many
+            draft tokens: 1 at the default acceptance unless ``run_validation`` is given another);
+            None when off or unknown.
     """
 
     point: MeasuredPoint
@@ -69,7 +71,7 @@ class RowPlan:
     hardware_note: str
     format_note: str
     stack: str | None = None
-    mtp_tokens: int = 0
+    speculation: Speculation | None = None
 
 
 def _preset(hardware: str) -> tuple[str | None, str]:
@@ -125,12 +127,13 @@ def plan_row(point: MeasuredPoint) -> RowPlan:
     mtp_on = point.mtp.lower().startswith("on")
     if mtp_on:
         soft.append("multi-token prediction on, its draft tokens and acceptance not in the data: predicted "
-                    "with 1 draft token at the default acceptance")
+                    "with the MTP of validate's --mtp (default 1 draft token at the default acceptance)")
     if not expressible:
         soft.append(fmt_note)
     cls = "not-predicted" if blocking else "predicted-only" if soft else "fit"
     return RowPlan(point, preset, model, expert_fmt, weight_fmt, mapping, cls, tuple(blocking + soft),
-                   hw_note, fmt_note, stack_for_framework(point.framework), 1 if mtp_on else 0)
+                   hw_note, fmt_note, stack_for_framework(point.framework),
+                   speculation(1) if mtp_on else None)
 
 
 def model_config(plan: RowPlan) -> ModelConfig:

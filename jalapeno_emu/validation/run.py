@@ -5,7 +5,10 @@ Stage: validation, the engine behind ``jalapeno-emu validate``.
 A row is predicted with :func:`jalapeno_emu.rack.deployment.predict` on its preset at its
 ISL/OSL/concurrency, within one 8-GPU node (the preset's scale-up domain): the stated TP8 mapping
 where the source gives it, else the best mapping for throughput per GPU over 1 to 8 GPUs (the
-points are each GPU's highest-throughput configuration), kernel timings cached on disk.
+points are each GPU's highest-throughput configuration), kernel timings cached on disk. The
+serving stack is the one the row's framework names (``serving.stack.stack_for_framework``: vLLM,
+SGLang, TensorRT-LLM, Dynamo), else the preset's; a row measured with MTP on is predicted with
+``mtp`` (the data does not say how many draft tokens: one by default).
 
 Calibration is per GPU family (NVIDIA: b200, h100, h200; AMD: mi300x, mi325x, mi355x): the knobs
 stand for the software stack (CUDA/NCCL/TensorRT-LLM vs ROCm/RCCL) as much as for the silicon, and
@@ -23,6 +26,7 @@ The presets' files are never changed: calibrated values are reported only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -37,19 +41,22 @@ from jalapeno_emu.errors import EmuError, InvalidArgumentError
 from jalapeno_emu.parallel import ordered_map
 from jalapeno_emu.rack.deployment import predict
 from jalapeno_emu.rack.launch_timer import install_timer
-from jalapeno_emu.serving.speculative import speculation
+from jalapeno_emu.serving.speculative import Speculation, speculation
 from jalapeno_emu.validation.calibrate import fit_setting, leave_one_out, mape, relative_errors
 from jalapeno_emu.validation.points import METRICS, load_points
 from jalapeno_emu.validation.retime import DEFAULT_GRID, KnobSetting, knob_spec, setting_timers
 from jalapeno_emu.validation.rows import RowPlan, model_config, plan_row
 
-__all__ = ["FAMILIES", "parse_rows", "run_validation"]
+__all__ = ["DEFAULT_MTP", "FAMILIES", "parse_rows", "run_validation"]
 
 FAMILIES = {"b200": "nvidia", "h100": "nvidia", "h200": "nvidia", "mi300x": "amd", "mi325x": "amd",
             "mi355x": "amd"}
 """Preset -> the family whose fit rows calibrate it."""
 
 _COLS = list(METRICS)
+DEFAULT_MTP = speculation(1)
+"""What rows measured with MTP on are predicted with by default: 1 draft token at the default
+acceptance (``serving.speculative``; the data says MTP was on, not how many draft tokens)."""
 Progress = Callable[[str], None]
 
 
@@ -88,7 +95,7 @@ def _predict_row(plan: RowPlan, spec: ChipSpec, mapping: str | None = None) -> t
     if plan.stack is not None and plan.stack != spec.software.stack:
         spec = spec.replace(**{"software.stack": plan.stack})
     pred = predict(model_config(plan), spec, p.isl, p.osl, p.concurrency, mapping=mapping or plan.mapping,
-                   objective="throughput", disk_cache=True, speculation=speculation(plan.mtp_tokens))
+                   objective="throughput", disk_cache=True, speculation=plan.speculation)
     d = pred.as_dict()
     vals = [d[METRICS[c]] for c in _COLS]
     return pred.mapping.name, np.array([math.nan if v is None else float(v) for v in vals])
@@ -185,6 +192,7 @@ def run_validation(
     progress: Progress | None = None,
     on_plan: Callable[[int], None] | None = None,
     executor: Executor | None = None,
+    mtp: Speculation | None = DEFAULT_MTP,
 ) -> dict[str, Any]:
     """Predict the selected rows (all when None), calibrate and report (see the module docstring).
 
@@ -196,6 +204,8 @@ def run_validation(
         executor: where the rows' predictions run, one task per row with all its knob settings
             (:mod:`jalapeno_emu.parallel`); None: one after the other in this process.
             Calibration runs here, on the gathered predictions.
+        mtp: the speculative decoding rows measured with MTP on are predicted with (the data does
+            not say how many draft tokens; default :data:`DEFAULT_MTP`); None: without MTP.
 
     Returns:
         JSON-ready dict: ``rows`` (one record per selected row), ``summary`` (MAPE before and
@@ -205,6 +215,7 @@ def run_validation(
     points = load_points()
     chosen = [points[r - 1] for r in rows] if rows else points
     plans = [plan_row(p) for p in chosen]
+    plans = [dataclasses.replace(p, speculation=mtp) if p.speculation is not None else p for p in plans]
     grid = list(grid)
     ids = {name: _identity(grid, load_preset(name)) for name in {p.preset for p in plans if p.preset}}
     n_set = len(grid) if calibrate else 1
@@ -333,7 +344,8 @@ def _record(i, plan, cls, reasons, mapping, P, measured, ids, calibrated, summar
         "osl": p.osl, "concurrency": p.concurrency, "framework": p.framework, "mtp": p.mtp,
         "preset": plan.preset, "config": plan.model, "expert_weight_fmt": plan.expert_weight_fmt,
         "weight_fmt": plan.weight_fmt, "stated_mapping": plan.mapping, "mapping": mapping, "class": cls,
-        "stack": plan.stack, "mtp_tokens": plan.mtp_tokens,
+        "stack": plan.stack,
+        "mtp_predicted": None if plan.speculation is None else plan.speculation.as_dict(),
         "reasons": reasons, "hardware_note": plan.hardware_note, "format_note": plan.format_note,
         "measured": _metric_dict(measured[i]),
     }

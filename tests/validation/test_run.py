@@ -116,3 +116,54 @@ def test_rows_on_threads_give_the_serial_report(monkeypatch):
     assert doc["summary"]["families"]["nvidia"]["setting"]["hbm_efficiency"] == 0.75
     # one label per prediction attempted: row 19 stops at its first, the others try every setting
     assert len(serial[2]) == 4 * len(DEFAULT_GRID) + 1 + 1
+
+
+def test_rows_are_predicted_with_their_frameworks_stack_and_mtp(monkeypatch):
+    from jalapeno_emu.serving.speculative import speculation
+
+    seen = {}
+
+    def record(plan, spec, mapping=None):
+        seen[plan.point.row] = (plan.stack, plan.speculation)
+        return "tp=8", np.array([plan.point.measured().get(c, 1.0) for c in METRICS])
+
+    monkeypatch.setattr(vrun, "_predict_row", record)
+    # row 55: Kimi K2.5 on MI355X with vLLM and MTP on; row 17: B200 with TensorRT-LLM, MTP off
+    doc = vrun.run_validation([55, 17], calibrate=False)
+    assert seen[17] == ("trtllm", None)
+    assert seen[55] == ("vllm", vrun.DEFAULT_MTP) and vrun.DEFAULT_MTP.draft_tokens == 1
+    by_row = {r["row"]: r for r in doc["rows"]}
+    assert by_row[55]["mtp_predicted"]["draft_tokens"] == 1 and by_row[17]["mtp_predicted"] is None
+    assert by_row[17]["stack"] == "trtllm"
+    assert any("multi-token prediction on" in reason for reason in by_row[55]["reasons"])
+    vrun.run_validation([55], calibrate=False, mtp=speculation(2, 0.7))
+    assert seen[55][1].draft_tokens == 2
+    vrun.run_validation([55], calibrate=False, mtp=None)
+    assert seen[55][1] is None
+
+
+def test_predict_row_serves_the_rows_stack_and_mtp(monkeypatch):
+    from jalapeno_emu.chip import load_preset
+    from jalapeno_emu.validation.points import load_points
+    from jalapeno_emu.validation.rows import plan_row
+
+    calls = []
+
+    from types import SimpleNamespace
+
+    class _Pred:
+        mapping = SimpleNamespace(name="tp=8")
+
+        def as_dict(self):
+            return dict.fromkeys(METRICS.values(), 1.0)
+
+    def fake_predict(cfg, spec, *args, **kwargs):
+        calls.append((spec.software.stack, kwargs["speculation"]))
+        return _Pred()
+
+    monkeypatch.setattr(vrun, "predict", fake_predict)
+    points = load_points()
+    vrun._predict_row(plan_row(points[16]), load_preset("b200"))  # row 17: trt
+    vrun._predict_row(plan_row(points[54]), load_preset("mi355x"))  # row 55: vllm, MTP on
+    assert calls[0] == ("trtllm", None)
+    assert calls[1][0] == "vllm" and calls[1][1].draft_tokens == 1

@@ -104,6 +104,14 @@ def _print_summary(app: App, doc: dict[str, Any]) -> None:
             app.console.print(f"{fam}: calibrated knobs {f['setting_label']} (MAPE {_pct(f['mape_before'])} "
                               f"-> {_pct(f['mape_after'])}, leave-one-out {_pct(f['loo_mape'])}); "
                               f"per preset: {per_preset}")
+    for metric, m in s["per_metric"].items():
+        line = f"{_SHORT[metric]}: median |error| over the fit rows {_pct(m['median_before']).lstrip('+')}"
+        if "median_loo" in m:
+            line += (f", calibrated {_pct(m['median_after']).lstrip('+')}, leave-one-out "
+                     f"{_pct(m['median_loo']).lstrip('+')}")
+            if m["worst_loo_row"] is not None:
+                line += f" (worst: row {m['worst_loo_row']}, {_pct(m['worst_loo'])})"
+        app.console.print(line)
     for r in doc["rows"]:
         if r["reasons"]:
             app.console.print(f"row {r['row']} ({r['class']}): " + "; ".join(r["reasons"]), soft_wrap=True)

@@ -298,6 +298,7 @@ def _summarise(plans, cls, P, measured, grid, ids, calibrate) -> tuple[dict[str,
     calibrated: dict[str, int] = {}
     loo_all: list[np.ndarray] = []
     before_all, after_all = [], []
+    rows_all: list[int] = []  # the fit rows of loo_all, in its order
     for fam in sorted(set(FAMILIES.values())):
         idx = [i for i, p in enumerate(plans) if cls[i] == "fit" and FAMILIES.get(p.preset or "") == fam]
         if not idx:
@@ -312,10 +313,12 @@ def _summarise(plans, cls, P, measured, grid, ids, calibrate) -> tuple[dict[str,
             after_all.append(after)
             loo, chosen = leave_one_out(P, measured, idx)
             loo_all.append(loo)
+            rows_all.extend(plans[i].point.row for i in idx)
             presets = sorted({plans[i].preset for i in idx})
             entry.update(
                 setting=grid[s].as_dict(), setting_label=grid[s].label, mape_after=mape(after),
                 loo_mape=mape(loo), loo_settings=[grid[c].label if c >= 0 else None for c in chosen],
+                loo_setting_indices=chosen,
                 knobs={p: grid[s].values(load_preset(p)) for p in presets},
                 mape_per_setting=dict(zip([g.label for g in grid], per_setting.tolist(), strict=True)),
             )
@@ -328,8 +331,30 @@ def _summarise(plans, cls, P, measured, grid, ids, calibrate) -> tuple[dict[str,
                      "after": mape(cat(after_all)) if calibrate else None,
                      "loo": mape(cat(loo_all)) if calibrate else None},
         "classes": {c: cls.count(c) for c in ("fit", "predicted-only", "not-predicted")},
+        "per_metric": _per_metric(cat(before_all), cat(after_all) if calibrate else None,
+                                  cat(loo_all) if calibrate else None, rows_all),
     }
     return summary, calibrated
+
+
+def _per_metric(before: np.ndarray, after: np.ndarray | None, loo: np.ndarray | None,
+                loo_rows: list[int]) -> dict[str, dict[str, Any]]:
+    """Per metric over the fit rows: the median absolute error before and after calibration and
+    left out, and the row of the worst leave-one-out error (each metric its own figures, not one
+    pooled number)."""
+    out: dict[str, dict[str, Any]] = {}
+    for m, metric in enumerate(_COLS):
+        entry: dict[str, Any] = {"field": METRICS[metric], "median_before": mape(before[:, m])}
+        if after is not None and loo is not None:
+            col = np.abs(loo[:, m])
+            valued = np.where(np.isnan(col), -1.0, col)
+            worst = int(np.argmax(valued)) if valued.size and valued.max() >= 0 else None
+            entry.update(median_after=mape(after[:, m]), median_loo=mape(loo[:, m]),
+                         rows=int(np.sum(~np.isnan(loo[:, m]))),
+                         worst_loo_row=None if worst is None else loo_rows[worst],
+                         worst_loo=None if worst is None else float(loo[worst, m]))
+        out[metric] = entry
+    return out
 
 
 def _metric_dict(v: np.ndarray) -> dict[str, float | None]:
@@ -362,4 +387,6 @@ def _record(i, plan, cls, reasons, mapping, P, measured, ids, calibrated, summar
             k = fam["fit_rows"].index(p.row)
             loo_s = fam["loo_settings"][k]
             rec["loo_setting"] = loo_s
+            # this row's error at the knobs fitted without it (NaN with no other row to fit on)
+            rec["error_loo"] = _metric_dict(_errs(P, measured, i, fam["loo_setting_indices"][k]))
     return rec

@@ -47,6 +47,12 @@ def test_calibration_finds_the_known_setting_and_reports_every_row(monkeypatch):
     assert by_row[17]["error_calibrated"]["tput_per_gpu"] == pytest.approx(0.0)
     assert by_row[14]["class"] == "not-predicted" and "predicted" not in by_row[14]
     assert len(doc["grid"]) == len(DEFAULT_GRID)
+    # each metric's own medians and worst left-out row, and each fit row's left-out error
+    tput = s["per_metric"]["tput_per_gpu"]
+    assert tput["median_before"] == pytest.approx(0.2) and tput["median_after"] == pytest.approx(0.0)
+    assert tput["median_loo"] == pytest.approx(0.0) and tput["rows"] >= 1
+    assert tput["worst_loo_row"] in rows and tput["worst_loo"] == pytest.approx(0.0)
+    assert by_row[17]["error_loo"]["tput_per_gpu"] == pytest.approx(0.0)
 
 
 def test_a_failing_prediction_is_not_predicted_with_its_one_line_reason(monkeypatch):
@@ -167,3 +173,17 @@ def test_predict_row_serves_the_rows_stack_and_mtp(monkeypatch):
     vrun._predict_row(plan_row(points[54]), load_preset("mi355x"))  # row 55: vllm, MTP on
     assert calls[0] == ("trtllm", None)
     assert calls[1][0] == "vllm" and calls[1][1].draft_tokens == 1
+
+
+def test_per_metric_medians_and_the_worst_left_out_row():
+    nan = float("nan")
+    before = np.array([[0.1, -0.5, nan], [0.3, 0.2, 0.4], [-0.2, 0.1, nan]])
+    loo = np.array([[0.05, -0.6, nan], [-0.3, 0.1, 0.2], [0.1, 0.0, nan]])
+    out = vrun._per_metric(before, before / 2, loo, [7, 9, 11])
+    first, second, third = (out[c] for c in vrun._COLS)
+    assert first["median_before"] == pytest.approx(0.2) and first["median_after"] == pytest.approx(0.1)
+    assert first["median_loo"] == pytest.approx(0.1) and first["worst_loo_row"] == 9
+    assert first["worst_loo"] == pytest.approx(-0.3)
+    assert second["worst_loo_row"] == 7 and second["worst_loo"] == pytest.approx(-0.6)
+    assert third["rows"] == 1 and third["worst_loo_row"] == 9  # rows with nothing measured left out
+    assert vrun._per_metric(before, None, None, [])[vrun._COLS[0]].keys() == {"field", "median_before"}

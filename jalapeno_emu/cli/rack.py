@@ -346,6 +346,8 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
         f"sustained {pk['sustained']:,.0f}, all-in {pk['all_in']:,.0f}; KV capacity "
         f"{doc['kv_capacity_tokens']:,} tokens; mean decode batch {doc['mean_decode_batch']:.1f}"
     )
+    for line in doc["kernel_limits"]:
+        app.console.print(f"[yellow]note:[/yellow] {escape(line)}", soft_wrap=True)
     if spec_decode is not None and doc["tokens_per_decode_step"] is not None:
         mtp = doc["mtp"]
         app.console.print(

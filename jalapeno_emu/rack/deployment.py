@@ -89,7 +89,8 @@ class Prediction:
         sustained, all_in}, ``mapping``, ``chips``, ...) plus model, preset, objective, routing,
         ``mapping_detail`` (tp, ep, dp, pp), ``kv_capacity_tokens``, ``fusion`` (how the chips'
         launches join into programs), ``stack`` (the serving stack whose host costs the simulator
-        charged), ``mtp`` (speculative decoding: draft tokens, acceptance,
+        charged), ``kernel_limits`` (where a kernel's refusal bounds the estimate, one line
+        each), ``mtp`` (speculative decoding: draft tokens, acceptance,
         expected tokens per step; None without) and the finalists."""
         out = self.metrics.as_dict()
         out.update(
@@ -104,6 +105,7 @@ class Prediction:
             max_batch_tokens=self.step_model.max_batch_tokens,
             fusion=self.step_model.fusion,
             stack=self.step_model.stack.name,
+            kernel_limits=self.step_model.kernel_limits(),
             mtp=None if self.speculation is None else self.speculation.as_dict(),
             screened=self.screened,
             finalists=[

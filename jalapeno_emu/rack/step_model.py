@@ -608,6 +608,19 @@ class RackStepModel:
         return self._step_times(n, sums, ())
 
     # --- reports ----------------------------------------------------------------------------------
+    def kernel_limits(self) -> list[str]:
+        """What the kernels refused while the model was priced, one line each: where an estimate is
+        bounded by our kernels rather than by the chip (so far: the routed-expert kernel refusing
+        a batch, which then runs as pieces that each read their experts' weights again)."""
+        if self.load is None or not self._moe_refused:
+            return []
+        smallest = min(self._moe_refused)
+        fits = [t for t in self._moe_pieces if t < smallest]
+        pieces = f"pieces of at most {max(fits):,} tokens" if fits else "smaller pieces"
+        return [f"moe: the routed-expert kernel refused {smallest:,} received tokens per launch on "
+                f"{self.spec.name} (its scratchpad); larger batches ran as {pieces}, each reading its "
+                "experts' weights again: those steps are bounded by our kernel, not by the chip"]
+
     @property
     def grid_points(self) -> int:
         """Grid points timed so far (over all parts)."""

@@ -23,6 +23,7 @@ def test_serve_json_has_the_contract_fields(capsys):
         assert doc[key] > 0, key
     assert set(doc["tok_s_per_kw"]) == {"package", "sustained", "all_in"}
     assert doc["interactivity_tok_s_user"] == pytest.approx(1 / doc["tpot_s"])
+    assert doc["kernel_limits"] == [] and doc["stack"] == "jalapeno" and doc["mtp"] is None
 
 
 def test_serve_searches_a_mapping_when_none_is_given(capsys):

@@ -137,3 +137,19 @@ def test_a_verification_step_prices_the_draft_and_more_query_rows(tp2):
     assert q2["attention"]["kv_heads"] == q1["attention"]["kv_heads"]
     with pytest.raises(InvalidArgumentError, match="query_tokens=0"):
         decode_attention_launches(cfg, Mapping(tp=2), 1, 2, 500, 0)
+
+
+def test_a_moe_refusal_is_reported_as_a_kernel_limit(tp2, tmp_path):
+    """A small scratchpad: the routed-expert kernel takes 64 tokens per launch and refuses 128, so
+    a 512-token prefill runs its experts as 64-token pieces, each reading the weights again; the
+    model says so, as serve prints it, instead of passing the pieces off as the chip's time."""
+    path = tmp_path / "small.toml"
+    path.write_text('inherits = "tiny"\nname = "small"\n[sram]\n'
+                    'scratchpad_bytes = { value = "96KiB", assumed = "GPU-like, for a tiny model" }\n')
+    small = RackStepModel("tiny-gpt-oss", str(path), "tp=1")
+    assert small.kernel_limits() == []
+    small.step_time_s(StepWork((), ((512, 0),)))
+    (line,) = small.kernel_limits()
+    assert "refused 128 received tokens" in line and "pieces of at most 64 tokens" in line
+    tp2.step_time_s(StepWork((), ((512, 0),)))
+    assert tp2.kernel_limits() == []  # jalapeno-v1's scratchpad takes the batch whole

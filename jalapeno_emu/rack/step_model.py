@@ -34,6 +34,12 @@ sequences with mean context ``c`` and prefill chunks, ``t = b + prefill tokens``
   (the batch's mean context: the kernels' cost is linear in the tokens read);
 - *prefill attention* ``P(n, p)`` summed over the chunks: one chunk of n new tokens after p cached.
 
+**Speculative decoding** (``StepWork.decode_query_tokens`` = K + 1): every decoding sequence
+brings K + 1 tokens to the token part and the experts (``t = b (K + 1) + prefill tokens``), its
+decode attention runs with K + 1 times the query heads per KV head (``D`` of its own grid: the
+cache is read once), the logits cover every query token, and the last stage adds K drafts, each
+one more layer of the last layer's kind for ``b`` tokens plus the final norm and logits.
+
 **The grid, timed once, interpolated.** Each part is timed with the emulator's timing pass
 (:class:`~jalapeno_emu.rack.launch_timer.LaunchTimer`, shared by every mapping of a process) at
 grid points, each the first time a step needs it, and never again:

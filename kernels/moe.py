@@ -193,6 +193,12 @@ def _planners(shape: dict[str, Any], spec: ChipSpec, budget: Budget,
         return plan_panel(shape, spec, budget, slot_count(shape))
 
     def gather() -> GatherPlan:
+        if g == "auto" and gather_shape is None and shape["distinct_experts"]:
+            # A slot count is the slot programs' (the rack's launch at a batch the kernel serves
+            # with slots): gather has none, so auto passes it over like a program that does not
+            # fit and goes on to panel (GPU scratchpads), where it raised and refused the batch.
+            raise DoesNotFit(f"distinct_experts={shape['distinct_experts']} sets expert slots, which the "
+                             "gather program does not have")
         return plan_gather(gshape, spec, budget)
 
     g = shape["grouping"]

@@ -189,3 +189,20 @@ def test_dense_ffn_gather_keeps_more_down_buffers_bit_exact():
     assert isinstance(routed, GatherPlan) and routed.nwd == 2
     report = run_kernel("moe", keys, preset=spec, check=True)
     assert report.check["passed"] and report.check["max_abs_error"] == 0.0
+
+
+def test_auto_with_a_slot_count_passes_gather_over_to_panel():
+    """The rack's routed launch names its expert slots (distinct_experts) at a batch the kernel
+    serves with slots. On a GPU scratchpad the slot program does not fit and gather has no slots:
+    auto goes on to panel, as grouping_of says, where it used to raise and refuse the batch (the
+    rack then ran gpt-oss-120b's experts on gb300 in 16-token pieces)."""
+    from jalapeno_emu.errors import InvalidArgumentError
+
+    spec = load_preset("gb300-nvl72")
+    keys = dict(tokens=32, hidden=2880, intermediate=2880, experts=128, top_k=4, expert_bias=True,
+                routing="uniform", act_fmt="fp8e4", capacity_factor=2.0, distinct_experts=82)
+    shape = get_kernel("moe").shape(keys)
+    assert grouping_of(shape, spec) == "dense"
+    assert isinstance(plan_moe(shape, spec), PanelPlan)
+    with pytest.raises(InvalidArgumentError, match="distinct_experts=82 applies to grouping=dense"):
+        plan_moe(get_kernel("moe").shape(dict(keys, grouping="gather")), spec)

@@ -78,6 +78,9 @@ def test_cli_json_and_errors(capsys):
     assert main(["validate", "--rows", "99"]) == 2
     err = capsys.readouterr().err
     assert "outside rows 1..61" in err and len(err.strip().splitlines()) == 1
+    assert main(["validate", "--rows", "14", "--mtp", "1", "--mtp-acceptance", "0.9,0.8"]) == 2
+    err = capsys.readouterr().err
+    assert "2 mtp acceptance values for 1 draft tokens" in err and len(err.strip().splitlines()) == 1
 
 
 def test_rows_on_threads_give_the_serial_report(monkeypatch):

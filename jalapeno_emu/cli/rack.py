@@ -346,8 +346,7 @@ def run_serve(app: App, args: argparse.Namespace) -> int:
         f"sustained {pk['sustained']:,.0f}, all-in {pk['all_in']:,.0f}; KV capacity "
         f"{doc['kv_capacity_tokens']:,} tokens; mean decode batch {doc['mean_decode_batch']:.1f}"
     )
-    for line in doc["kernel_limits"]:
-        app.console.print(f"[yellow]note:[/yellow] {escape(line)}", soft_wrap=True)
+    _print_limits(app, doc["kernel_limits"])
     if spec_decode is not None and doc["tokens_per_decode_step"] is not None:
         mtp = doc["mtp"]
         app.console.print(
@@ -443,6 +442,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
                 "concurrencies": concs,
                 "candidates_screened": screened,
                 "mapping": held,
+                "kernel_limits": _kernel_limits(points),
                 "mtp": None if spec_decode is None else spec_decode.as_dict(),
                 "y": args.y,
                 "points": rows,
@@ -457,6 +457,7 @@ def run_sweep(app: App, args: argparse.Namespace) -> int:
             front_rows,
         )
     )
+    _print_limits(app, _kernel_limits(points))
     simulated = (f"{len(points)} points simulated with {held} held" if held else
                  f"{len(points)} points simulated over {len({p.mapping for p in points})} mappings "
                  f"(of {screened} screened)")
@@ -568,6 +569,7 @@ def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str
             speculation=spec_decode, on_plan=planned,
             on_point=lambda preset, _p: progress.advance(tasks[preset]))
     ref = presets[0]
+    limits = {p: _kernel_limits(pts) for p, pts in results.items()}
     points = {p: [pt.as_dict() for pt in pts] for p, pts in results.items()}
     rows = [at_interactivity(points, x, ref=ref, power=args.power) for x in xs]
     peak = peaks(points, ref=ref, power=args.power) if args.peak else None
@@ -576,10 +578,22 @@ def _run_compare_frontiers(app: App, args: argparse.Namespace, presets: list[str
             "model": args.model, "isl": args.isl, "osl": args.osl, "power": args.power, "presets": presets,
             "mtp": None if spec_decode is None else spec_decode.as_dict(), "concurrencies": concs,
             "interactivity": rows, "peak": peak,
-            "frontiers": {p: pareto_front(pts) for p, pts in points.items()}, "errors": errors})
+            "frontiers": {p: pareto_front(pts) for p, pts in points.items()}, "errors": errors,
+            "kernel_limits": limits})
     else:
         _print_frontier_quotes(app, args, presets, points, rows, peak)
+        _print_limits(app, [line for lines in limits.values() for line in lines])
     return _report_errors(app, errors)
+
+
+def _kernel_limits(points: list[Any]) -> list[str]:
+    """The distinct ``kernel_limits`` lines of sweep points, in first-seen order."""
+    return list(dict.fromkeys(line for p in points for line in p.kernel_limits))
+
+
+def _print_limits(app: App, lines: list[str]) -> None:
+    for line in lines:
+        app.console.print(f"[yellow]note:[/yellow] {escape(line)}", soft_wrap=True)
 
 
 def _print_frontier_quotes(app: App, args: argparse.Namespace, presets: list[str],

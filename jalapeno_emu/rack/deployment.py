@@ -386,7 +386,7 @@ def _mapping_points(
     for c in concurrencies:
         metrics = simulate(model, isl=isl, osl=osl, concurrency=c, power_w=model.power_w,
                            speculation=speculation, stack=model.stack)
-        points.append(SweepPoint(mapping.name, spec.name, c, metrics))
+        points.append(SweepPoint(mapping.name, spec.name, c, metrics, tuple(model.kernel_limits())))
         if on_point is not None:
             on_point(points[-1])
     return points

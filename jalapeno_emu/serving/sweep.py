@@ -34,12 +34,16 @@ class SweepPoint:
             attribute (e.g. the chip preset) or, without one, its name.
         concurrency: the closed-loop concurrency.
         metrics: the point's metrics.
+        kernel_limits: where the step model's kernels refused a batch it then ran in pieces (the
+            model's ``kernel_limits()`` after this point; not in ``as_dict``, whose fields are the
+            CSV's columns).
     """
 
     mapping: str
     series: str
     concurrency: int
     metrics: ServingMetrics
+    kernel_limits: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The flat JSON fields: ``series`` plus :meth:`ServingMetrics.as_dict`."""

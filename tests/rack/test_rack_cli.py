@@ -259,3 +259,22 @@ def test_mtp_errors_are_one_line(capsys, argv, message):
     assert main(["serve", *TINY, "--concurrency", "1", "--mapping", "tp=1", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_sweep_and_compare_report_where_a_kernel_bounded_the_points(capsys, tmp_path):
+    # A GPU-like scratchpad for the tiny model: its routed-expert kernel takes 64 tokens per launch
+    # and refuses 128, so a 128-token prompt's experts run in pieces.
+    small = tmp_path / "small.toml"
+    small.write_text('inherits = "tiny"\nname = "small"\n[sram]\n'
+                     'scratchpad_bytes = { value = "96KiB", assumed = "GPU-like, for a tiny model" }\n')
+    argv = ["sweep", *TINY, "--preset", str(small), "--mapping", "tp=1", "--concurrency", "1", "--json",
+            "--workers", "1"]
+    assert main(argv) == 0
+    (line,) = json.loads(capsys.readouterr().out)["kernel_limits"]
+    assert "refused 128 received tokens per launch on small" in line
+    assert main([*argv[:-3], "--workers", "1"]) == 0  # the table, then the note
+    assert "note: moe: the routed-expert kernel refused" in capsys.readouterr().out
+    assert main(["compare", *TINY, "--presets", f"jalapeno-v1,{small}", "--concurrency", "1", "--peak",
+                 "--finalists", "1", "--json", "--workers", "1"]) == 0
+    limits = json.loads(capsys.readouterr().out)["kernel_limits"]
+    assert limits["jalapeno-v1"] == [] and "refused 128" in limits[str(small)][0]

@@ -392,6 +392,12 @@ def _mapping_points(
     return points
 
 
+def _overridden(preset: ChipSpec | str, spec_overrides: dict[str, Any] | None) -> ChipSpec:
+    """``preset`` loaded (a ChipSpec as it is) with ``spec_overrides`` set on it."""
+    spec = load_preset(preset) if isinstance(preset, str) else preset
+    return spec.replace(**spec_overrides) if spec_overrides else spec
+
+
 def compare_presets(
     cfg: ModelConfig | str,
     presets: Sequence[ChipSpec | str],
@@ -446,9 +452,7 @@ def compare_presets(
         # The order of the checks is predict's: the preset, then the model (then, in the task,
         # the routing and the workload), so each preset reports the error a serial predict would.
         try:
-            spec = load_preset(preset) if isinstance(preset, str) else preset
-            if spec_overrides:
-                spec = spec.replace(**spec_overrides)
+            spec = _overridden(preset, spec_overrides)
             model = model or (load_model_config(cfg) if isinstance(cfg, str) else cfg)
         except EmuError as exc:
             outcome[i] = ([], str(exc))
@@ -521,9 +525,7 @@ def compare_frontiers(
     for preset in presets:
         key = preset if isinstance(preset, str) else preset.name
         try:
-            spec = load_preset(preset) if isinstance(preset, str) else preset
-            if spec_overrides:
-                spec = spec.replace(**spec_overrides)
+            spec = _overridden(preset, spec_overrides)
             model = model or (load_model_config(cfg) if isinstance(cfg, str) else cfg)
             points, _ = sweep_mappings(
                 model, spec, isl, osl, concurrencies, routing=routing, finalists=finalists, chips=chips,

@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 from jalapeno_emu.chip.spec import STACK_NAMES, Provenance
 from jalapeno_emu.errors import InvalidArgumentError
 
@@ -97,11 +99,7 @@ class StackProfile:
         """A step's wall time from its device time (a float, or an array of them), s."""
         host = self.host_s(sequences)
         exposed = device_s + self.sampling_s + (1.0 - self.overlap) * host
-        if isinstance(exposed, float):
-            return max(exposed, host)
-        import numpy as np
-
-        return np.maximum(exposed, host)
+        return np.maximum(exposed, host) if isinstance(exposed, np.ndarray) else max(exposed, host)
 
     def request_in_s(self, prompt_tokens: int) -> float:
         """Host time before a request of ``prompt_tokens`` can be scheduled, s."""

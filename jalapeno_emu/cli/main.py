@@ -14,12 +14,12 @@ from typing import NoReturn
 from rich.markup import escape
 
 from jalapeno_emu import __version__
-from jalapeno_emu.cli import asm, bench, cache, chip, demo, kernel, model, rack, run, stack, validate
+from jalapeno_emu.cli import asm, bench, cache, chip, compare, demo, kernel, model, rack, run, stack, validate
 from jalapeno_emu.cli.app import Abort, App
 from jalapeno_emu.emu.compile_cache import disable_compile_cache
 from jalapeno_emu.errors import EmuError
 
-COMMANDS = (demo, chip, stack, asm, run, bench, kernel, model, rack, validate, cache)
+COMMANDS = (demo, chip, stack, asm, run, bench, kernel, model, rack, compare, validate, cache)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jalapeno_emu.cli.main import main
-from jalapeno_emu.cli.rack import _ints
+from jalapeno_emu.cli.rack import concurrencies_of
 from jalapeno_emu.errors import InvalidArgumentError
 from jalapeno_emu.rack.deployment import compare_presets, predict, sweep_mappings
 from jalapeno_emu.rack.step_model import RackStepModel
@@ -92,7 +92,7 @@ def test_a_step_model_refuses_an_unbounded_step_budget():
 
 
 def test_cli_concurrency_lists_are_deduplicated_in_order():
-    assert _ints(",".join(["1"] * 3000) + ",8,1", "--concurrency") == [1, 8]
+    assert concurrencies_of(",".join(["1"] * 3000) + ",8,1", "--concurrency") == [1, 8]
 
 
 @pytest.mark.parametrize(("argv", "fragments"), [
